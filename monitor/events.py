@@ -1,0 +1,192 @@
+"""The event wire format between the in-process hook and the agent.
+
+This file is the contract. It is loaded into training processes, so it imports only the
+standard library. Every field is described below; the version field lets old agents reject
+events they cannot understand instead of misreading them, and golden fixtures in
+tests/fixtures/events/ keep old events decoding.
+
+Transport: a Unix *stream* socket (one connection per process). A datagram socket would queue
+only net.unix.max_dgram_qlen (default 10) messages, so eight ranks saving at once would lose
+events; a stream socket applies back-pressure to the sender's background thread instead.
+
+Framing: every event is one frame = 4-byte big-endian unsigned length + UTF-8 JSON object.
+Frames larger than MAX_FRAME_BYTES are rejected (the connection cannot be resynchronised after
+a bad length, so the agent closes it).
+
+Event object (schema version 1). Fields marked (start, end) appear in both kinds.
+
+  v            int   schema version, SCHEMA_VERSION
+  type         str   "start" (a save began), "end" (a save finished, ok or not),
+                     "dropped" (the sender dropped events because its queue was full)
+  node         str   node name: CKPTWATCH_NODE, else the host name
+  pid          int   the writing process's pid (checked against the socket's peer credentials)
+  --- start / end only ---
+  seq          int   per-process write number; pairs a start with its end
+  rank         int|null        global rank (RANK, SLURM_PROCID, OMPI_COMM_WORLD_RANK, torch.distributed)
+  local_rank   int|null        rank on this node (LOCAL_RANK, SLURM_LOCALID, OMPI_COMM_WORLD_LOCAL_RANK)
+  world_size   int|null        WORLD_SIZE, SLURM_NTASKS, OMPI_COMM_WORLD_SIZE, torch.distributed
+  local_world_size int|null    LOCAL_WORLD_SIZE, OMPI_COMM_WORLD_LOCAL_SIZE
+  node_rank    int|null        GROUP_RANK, SLURM_NODEID, OMPI_COMM_WORLD_NODE_RANK
+  job          str|null        CKPTWATCH_JOB, else TORCHELASTIC_RUN_ID, else SLURM_JOB_ID
+  master       str|null        "MASTER_ADDR:MASTER_PORT" when known; tells two jobs apart when
+                               torchrun's static rendezvous sets TORCHELASTIC_RUN_ID=none for all
+  restart      int|null        TORCHELASTIC_RESTART_COUNT (SLURM_RESTART_COUNT)
+  path         str   absolute, normalised path being written
+  site         str   "file:line" of the first caller frame outside torch and ckptwatch
+  func         str   that frame's function name
+  wall         float time.time() when this event happened (seconds since the epoch)
+  mono         float time.monotonic() when this event happened (CLOCK_MONOTONIC is node-wide
+                     on Linux, so the agent can order events of different processes exactly)
+  --- end only ---
+  start_wall   float time.time() when the save began (the end event stands alone if its start
+  start_mono   float  was dropped)
+  bytes        int|null  file size after the save (null if it could not be read)
+  outcome      str   "ok", or the exception's type name (e.g. "OSError") if the save raised
+  --- dropped only ---
+  count        int   events dropped since the last "dropped" event (>= 1)
+
+Optional fields may be absent; unknown extra fields are ignored (forward compatible within a
+version). A writer is identified by (node, pid).
+"""
+from __future__ import annotations
+
+import json
+import struct
+
+SCHEMA_VERSION = 1
+MAX_FRAME_BYTES = 64 * 1024
+HEADER = struct.Struct(">I")
+
+EVENT_TYPES = ("start", "end", "dropped")
+
+# Reasons an event is rejected; the agent exports them as ckptwatch_events_rejected_total{reason}.
+REJECT_MALFORMED = "malformed"          # not UTF-8 JSON, or not a JSON object
+REJECT_OVERSIZED = "oversized"          # frame length above MAX_FRAME_BYTES
+REJECT_UNKNOWN_VERSION = "unknown_version"
+REJECT_INCOMPLETE = "incomplete"        # required field missing or of the wrong type
+REJECT_TRUNCATED = "truncated"          # connection closed in the middle of a frame
+REJECT_PID_MISMATCH = "pid_mismatch"    # event pid is not the connected process's pid
+REJECT_REASONS = (REJECT_MALFORMED, REJECT_OVERSIZED, REJECT_UNKNOWN_VERSION,
+                  REJECT_INCOMPLETE, REJECT_TRUNCATED, REJECT_PID_MISMATCH)
+
+
+class EventError(ValueError):
+    """An input that is not a valid event; .reason is one of REJECT_REASONS."""
+
+    def __init__(self, reason: str, detail: str = ""):
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+
+
+def encode(event: dict) -> bytes:
+    """One frame for one event. Raises ValueError if the event is too large to send."""
+    payload = json.dumps(event, separators=(",", ":"), allow_nan=False).encode("utf-8")
+    if len(payload) > MAX_FRAME_BYTES:
+        raise ValueError(f"event of {len(payload)} bytes exceeds {MAX_FRAME_BYTES}")
+    return HEADER.pack(len(payload)) + payload
+
+
+_INT = (int,)
+_NUM = (int, float)
+_STR = (str,)
+_OPT_INT = (int, type(None))
+_OPT_STR = (str, type(None))
+
+_COMMON = {"v": _INT, "type": _STR, "node": _STR, "pid": _INT}
+_WRITE = {"seq": _INT, "path": _STR, "wall": _NUM, "mono": _NUM}
+_WRITE_OPTIONAL = {
+    "rank": _OPT_INT, "local_rank": _OPT_INT, "world_size": _OPT_INT,
+    "local_world_size": _OPT_INT, "node_rank": _OPT_INT, "job": _OPT_STR,
+    "master": _OPT_STR, "restart": _OPT_INT, "site": _OPT_STR, "func": _OPT_STR,
+}
+_END = {"start_wall": _NUM, "start_mono": _NUM, "outcome": _STR}
+_END_OPTIONAL = {"bytes": _OPT_INT}
+_DROPPED = {"count": _INT}
+
+
+def _check(event: dict, fields: dict, required: bool) -> None:
+    for name, types in fields.items():
+        if name not in event:
+            if required:
+                raise EventError(REJECT_INCOMPLETE, f"missing field {name!r}")
+            continue
+        value = event[name]
+        # bool is an int subclass; a boolean pid or rank is a bug, not a number.
+        if isinstance(value, bool) or not isinstance(value, types):
+            raise EventError(REJECT_INCOMPLETE, f"field {name!r} has type {type(value).__name__}")
+
+
+def validate(event: object) -> dict:
+    """Return the event if it is a valid version-1 event, else raise EventError."""
+    if not isinstance(event, dict):
+        raise EventError(REJECT_MALFORMED, "not a JSON object")
+    version = event.get("v")
+    if version != SCHEMA_VERSION:
+        if isinstance(version, int) and not isinstance(version, bool):
+            raise EventError(REJECT_UNKNOWN_VERSION, f"version {version}")
+        raise EventError(REJECT_INCOMPLETE if version is None else REJECT_UNKNOWN_VERSION,
+                         f"version {version!r}")
+    _check(event, _COMMON, required=True)
+    kind = event["type"]
+    if kind not in EVENT_TYPES:
+        raise EventError(REJECT_INCOMPLETE, f"unknown type {kind!r}")
+    if event["pid"] <= 0:
+        raise EventError(REJECT_INCOMPLETE, "pid must be positive")
+    if kind == "dropped":
+        _check(event, _DROPPED, required=True)
+        if event["count"] < 1:
+            raise EventError(REJECT_INCOMPLETE, "count must be positive")
+        return event
+    _check(event, _WRITE, required=True)
+    _check(event, _WRITE_OPTIONAL, required=False)
+    if not event["path"].startswith("/"):
+        raise EventError(REJECT_INCOMPLETE, "path must be absolute")
+    if kind == "end":
+        _check(event, _END, required=True)
+        _check(event, _END_OPTIONAL, required=False)
+    return event
+
+
+def decode(payload: bytes) -> dict:
+    """Decode and validate one frame's payload (without the length header)."""
+    if len(payload) > MAX_FRAME_BYTES:
+        raise EventError(REJECT_OVERSIZED, f"{len(payload)} bytes")
+    try:
+        event = json.loads(payload.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise EventError(REJECT_MALFORMED, str(exc)[:80]) from None
+    return validate(event)
+
+
+class FrameReader:
+    """Splits a byte stream into frame payloads. Pure: feed bytes, get payloads.
+
+    feed() returns the complete payloads seen so far and raises EventError(oversized) on a
+    length above the limit, after which the stream cannot be trusted and must be closed.
+    pending() tells whether a partial frame is buffered (a close then means "truncated").
+    """
+
+    def __init__(self, max_frame: int = MAX_FRAME_BYTES):
+        self._buf = bytearray()
+        self._max = max_frame
+
+    def feed(self, data: bytes) -> list[bytes]:
+        self._buf += data
+        out = []
+        buf = self._buf
+        pos = 0
+        while len(buf) - pos >= HEADER.size:
+            (length,) = HEADER.unpack_from(buf, pos)
+            if length > self._max:
+                del buf[:pos]
+                raise EventError(REJECT_OVERSIZED, f"frame length {length}")
+            end = pos + HEADER.size + length
+            if end > len(buf):
+                break
+            out.append(bytes(buf[pos + HEADER.size:end]))
+            pos = end
+        del buf[:pos]
+        return out
+
+    def pending(self) -> bool:
+        return bool(self._buf)

@@ -1,0 +1,195 @@
+"""Agent-side values: writers, writes and collisions. Pure, immutable, stdlib only.
+
+The detector produces these, the exporters (metrics, journal, log) and `ckptwatch report`
+consume them. Journal records are built here (to_record) and read back here (from_record) so
+the two can never drift apart. Field names follow monitor/events.py.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+KIND_CONCURRENT = "concurrent"
+KIND_REDUNDANT = "redundant"
+SCOPE_NODE = "node"
+SCOPE_JOB = "job"
+SOURCE_HOOK = "hook"
+SOURCE_FS = "fs"
+
+
+@dataclass(frozen=True)
+class Writer:
+    """One process, identified by (node, pid), with what it told us about itself."""
+
+    node: str
+    pid: int
+    rank: int | None = None
+    local_rank: int | None = None
+    world_size: int | None = None
+    local_world_size: int | None = None
+    node_rank: int | None = None
+    job: str | None = None
+    master: str | None = None
+    restart: int | None = None
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return (self.node, self.pid)
+
+    @property
+    def run_key(self) -> tuple | None:
+        """Identifies one job run (job id + restart count); None when the job is unknown.
+
+        torchrun's static rendezvous sets TORCHELASTIC_RUN_ID=none for every job, so "none"
+        alone would merge unrelated jobs: the master address disambiguates it.
+        """
+        if self.job is None:
+            return None
+        master = self.master if self.job == "none" else None
+        if self.job == "none" and master is None:
+            return None
+        return (self.job, master, self.restart)
+
+    @property
+    def job_label(self) -> str:
+        """Value of the `job` metric label: the job id, or "" when unknown."""
+        return self.job or ""
+
+    @property
+    def label(self) -> str:
+        """Short human name: rank3@node-a, or pid1234@node-a without a rank."""
+        who = f"rank{self.rank}" if self.rank is not None else f"pid{self.pid}"
+        return f"{who}@{self.node}"
+
+    @classmethod
+    def from_event(cls, event: dict) -> "Writer":
+        return cls(node=event["node"], pid=event["pid"], rank=event.get("rank"),
+                   local_rank=event.get("local_rank"), world_size=event.get("world_size"),
+                   local_world_size=event.get("local_world_size"),
+                   node_rank=event.get("node_rank"), job=event.get("job"),
+                   master=event.get("master"), restart=event.get("restart"))
+
+    def to_record(self) -> dict:
+        return {"node": self.node, "pid": self.pid, "rank": self.rank,
+                "local_rank": self.local_rank, "world_size": self.world_size,
+                "local_world_size": self.local_world_size, "node_rank": self.node_rank,
+                "job": self.job, "master": self.master, "restart": self.restart}
+
+
+@dataclass(frozen=True)
+class Write:
+    """One writer's interval on one path. end_* are None while the write is in flight."""
+
+    writer: Writer
+    path: str
+    seq: int
+    start_wall: float
+    start_mono: float
+    end_wall: float | None = None
+    end_mono: float | None = None
+    bytes: int | None = None
+    outcome: str | None = None        # "ok", an exception type name, or "lost" (never ended)
+    site: str | None = None
+    func: str | None = None
+    source: str = SOURCE_HOOK
+
+    @property
+    def finished(self) -> bool:
+        return self.end_mono is not None
+
+    @property
+    def duration(self) -> float | None:
+        return None if self.end_mono is None else max(0.0, self.end_mono - self.start_mono)
+
+    def to_record(self) -> dict:
+        """The journal's "write" record and the per-writer entry of a collision record."""
+        rec = self.writer.to_record()
+        rec.update({"path": self.path, "seq": self.seq, "start_wall": self.start_wall,
+                    "end_wall": self.end_wall, "duration": self.duration,
+                    "bytes": self.bytes, "outcome": self.outcome, "site": self.site,
+                    "func": self.func, "source": self.source})
+        return rec
+
+    @classmethod
+    def from_record(cls, rec: dict) -> "Write":
+        writer = Writer(**{k: rec.get(k) for k in Writer.__dataclass_fields__})
+        duration = rec.get("duration")
+        start_wall = rec["start_wall"]
+        end_wall = rec.get("end_wall")
+        # Journal records carry wall times only; monotonic values are rebuilt from them so
+        # intervals stay comparable within one record.
+        return cls(writer=writer, path=rec["path"], seq=rec.get("seq", 0),
+                   start_wall=start_wall, start_mono=start_wall, end_wall=end_wall,
+                   end_mono=(start_wall + duration) if duration is not None else end_wall,
+                   bytes=rec.get("bytes"), outcome=rec.get("outcome"), site=rec.get("site"),
+                   func=rec.get("func"), source=rec.get("source", SOURCE_HOOK))
+
+
+@dataclass(frozen=True)
+class Collision:
+    """One maximal group of writes on one path (see design.md, Definitions)."""
+
+    path: str
+    kind: str                              # KIND_CONCURRENT | KIND_REDUNDANT
+    writes: tuple[Write, ...]              # in start order
+    scope: str = SCOPE_NODE
+    sources: tuple[str, ...] = (SOURCE_HOOK,)
+    detected_wall: float = 0.0
+    id: str = field(default="")            # stable id: path + first start, for linking
+
+    @property
+    def first(self) -> Write:
+        return min(self.writes, key=lambda w: w.start_mono)
+
+    @property
+    def last(self) -> Write:
+        """The writer that finished last: its bytes are what is on disk."""
+        return max(self.writes, key=lambda w: (w.end_mono if w.end_mono is not None
+                                               else float("inf")))
+
+    @property
+    def writers(self) -> tuple[Writer, ...]:
+        seen: dict = {}
+        for w in self.writes:
+            seen.setdefault(w.writer.key, w.writer)
+        return tuple(seen.values())
+
+    @property
+    def job_label(self) -> str:
+        jobs = sorted({w.writer.job_label for w in self.writes})
+        return jobs[0] if len(jobs) == 1 else ",".join(j or "?" for j in jobs)
+
+    @property
+    def overlap_seconds(self) -> float:
+        """How long two or more of the writes were in flight at the same time."""
+        points = []
+        for w in self.writes:
+            end = w.end_mono if w.end_mono is not None else w.start_mono
+            points.append((w.start_mono, 1))
+            points.append((end, -1))
+        points.sort(key=lambda p: (p[0], p[1]))
+        total, depth, since = 0.0, 0, 0.0
+        for t, delta in points:
+            if depth >= 2:
+                total += t - since
+            depth += delta
+            since = t
+        return total
+
+    def to_record(self) -> dict:
+        first, last = self.first, self.last
+        return {"type": "collision", "id": self.id, "path": self.path, "kind": self.kind,
+                "scope": self.scope, "sources": list(self.sources), "job": self.job_label,
+                "detected_wall": self.detected_wall, "overlap_seconds": self.overlap_seconds,
+                "writers": [w.to_record() for w in self.writes],
+                "first": {"node": first.writer.node, "pid": first.writer.pid,
+                          "rank": first.writer.rank, "site": first.site},
+                "last": {"node": last.writer.node, "pid": last.writer.pid,
+                         "rank": last.writer.rank, "site": last.site}}
+
+    @classmethod
+    def from_record(cls, rec: dict) -> "Collision":
+        writes = tuple(Write.from_record(w) for w in rec["writers"])
+        return cls(path=rec["path"], kind=rec["kind"], writes=writes,
+                   scope=rec.get("scope", SCOPE_NODE),
+                   sources=tuple(rec.get("sources", [SOURCE_HOOK])),
+                   detected_wall=rec.get("detected_wall", 0.0), id=rec.get("id", ""))

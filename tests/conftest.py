@@ -1,0 +1,31 @@
+import os
+import sys
+import threading
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from helpers import remove_tree, short_tmpdir  # noqa: E402
+
+
+@pytest.fixture
+def sockdir():
+    """A short temporary directory for Unix sockets (tmp_path can exceed 108 bytes)."""
+    path = short_tmpdir()
+    yield path
+    remove_tree(path)
+
+
+@pytest.fixture
+def no_thread_leak():
+    """Fail a test that leaves threads running (watchdog's habit)."""
+    before = set(threading.enumerate())
+    yield
+    import time
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        leaked = [t for t in threading.enumerate() if t not in before and t.is_alive()]
+        if not leaked:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"leaked threads: {leaked}")
