@@ -1,0 +1,87 @@
+"""The `ckptwatch` command: one entry point, one module per subcommand.
+
+Subcommands import their module lazily, so `ckptwatch run` (which only builds an environment
+and execs) never loads the agent's dependencies.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from monitor.version import __version__
+
+DESCRIPTION = """\
+ckptwatch: catch concurrent torch.save writes to one checkpoint path, and say who did it.
+
+  ckptwatch demo                      see it work: a private agent and a 4-rank CPU job
+  ckptwatch agent [flags]             the per-node agent (same as `python agent.py`)
+  ckptwatch run -- torchrun ...       run a job with every torch.save instrumented
+  ckptwatch report [--journal PATH]   who wrote what, when, and the fix
+"""
+
+
+def _agent(argv: list[str]) -> int:
+    import agent
+    return agent.main(argv)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="ckptwatch", description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"ckptwatch {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    # `agent` forwards its arguments untouched: the agent owns its flags and --help.
+    sub.add_parser("agent", help="run the per-node agent (see `ckptwatch agent --help`)",
+                   add_help=False)
+
+    run = sub.add_parser(
+        "run", help="run a command with torch.save instrumented in every Python process",
+        description="Run CMD with the ckptwatch hook active in every Python process it starts "
+                    "(torchrun workers included). Events go to the agent at --socket, else "
+                    "$CKPTWATCH_SOCKET, else the default socket. The job never waits on the "
+                    "agent: if none is running, the job runs exactly as without ckptwatch.",
+        usage="ckptwatch run [--socket PATH] -- CMD [ARGS...]")
+    run.add_argument("--socket", metavar="PATH", help="agent socket (default: $CKPTWATCH_SOCKET "
+                     "or the agent's default socket)")
+    run.add_argument("cmd", nargs=argparse.REMAINDER, help="the command to run, after --")
+
+    report = sub.add_parser("report", help="show collisions from the agent's journal: who "
+                            "wrote what, when, and the fix")
+    from monitor import report as report_mod
+    report_mod.add_arguments(report)
+
+    demo = sub.add_parser("demo", help="start a private agent, run a colliding 4-rank CPU job "
+                          "and its fixed version, print what ckptwatch saw")
+    demo.add_argument("--nproc", type=int, default=4, help="ranks in the demo job (default 4)")
+    demo.add_argument("--keep", action="store_true",
+                      help="keep the demo's working directory (journal, checkpoints)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "agent":
+        return _agent(argv[1:])
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    if args.command == "run":
+        from monitor import runner
+        cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+        return runner.run(cmd, socket=args.socket)
+    if args.command == "report":
+        from monitor import report
+        return report.run(args)
+    if args.command == "demo":
+        from monitor import demo
+        return demo.run(nproc=args.nproc, keep=args.keep)
+    parser.error(f"unknown command {args.command}")
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

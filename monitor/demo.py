@@ -1,0 +1,160 @@
+"""`ckptwatch demo`: the whole product in one command, on CPU, in about half a minute.
+
+It starts a private agent (its own socket, journal and metrics port), runs a real 4-rank
+torchrun job (gloo) in which every rank saves to one path under `ckptwatch run`, then the fixed
+job (only global rank 0 saves), and prints the report, the metric lines and whether each
+checkpoint still loads.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+AGENT_SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                            "agent.py")
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _say(text: str = "") -> None:
+    print(text, flush=True)
+
+
+def _agent_command(sock: str, port: int, journal: str) -> list[str]:
+    if os.path.exists(AGENT_SCRIPT):
+        base = [sys.executable, AGENT_SCRIPT]
+    else:  # installed without the source tree: the console script's module
+        base = [sys.executable, "-m", "monitor.cli", "agent"]
+    return base + ["--ingest.socket", sock, "--web.listen-address", f"127.0.0.1:{port}",
+                   "--journal.path", journal, "--collision.settle", "0.5", "--log.level", "warning"]
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the agent exited with code {proc.returncode}")
+        try:
+            with urllib.request.urlopen(url + "/healthz", timeout=1) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.1)
+    raise RuntimeError("the agent did not become healthy within 20 s")
+
+
+def _run_job(workdir: str, sock: str, nproc: int, mode: str, job: str) -> float:
+    from monitor import runner
+    out = os.path.join(workdir, job)
+    env = runner.build_env(os.environ, sock)
+    env["CKPTWATCH_JOB"] = job
+    env.setdefault("OMP_NUM_THREADS", "1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           "--nproc-per-node", str(nproc), "-m", "monitor.demo_job", "--out", out, "--save", mode]
+    started = time.monotonic()
+    result = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    if result.returncode != 0:
+        raise RuntimeError(f"the {job} job failed (exit {result.returncode}):\n"
+                           + result.stdout[-3000:])
+    return time.monotonic() - started
+
+
+def _collisions(journal: str) -> list[dict]:
+    from exporters.journal import read_records
+    return [r for r in read_records(journal) if r.get("type") == "collision"]
+
+
+def _load_verdict(path: str) -> str:
+    import torch
+    try:
+        torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as exc:  # the point of the demo is to show this failure
+        return f"torch.load FAILS: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+    return "torch.load succeeds"
+
+
+def _metric_lines(url: str) -> list[str]:
+    with urllib.request.urlopen(url + "/metrics", timeout=5) as r:
+        text = r.read().decode()
+    wanted = ("ckptwatch_collisions_total", "ckptwatch_writes_total",
+              "ckptwatch_last_collision_timestamp_seconds")
+    return [line for line in text.splitlines() if line.startswith(wanted)]
+
+
+def run(nproc: int = 4, keep: bool = False) -> int:
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        print("ckptwatch demo needs torch in this Python: pip install torch", file=sys.stderr)
+        return 2
+    workdir = tempfile.mkdtemp(prefix="ckptwatch-demo-")
+    sock = os.path.join(tempfile.mkdtemp(prefix="cwd", dir="/tmp"), "agent.sock")
+    journal = os.path.join(workdir, "journal.jsonl")
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    _say(f"ckptwatch demo: a {nproc}-rank CPU job (torchrun, gloo) in which every rank saves")
+    _say("to one checkpoint path, then the same job fixed. Working directory: " + workdir)
+    agent_log = open(os.path.join(workdir, "agent.log"), "w")
+    agent = subprocess.Popen(_agent_command(sock, port, journal), stdout=agent_log,
+                             stderr=subprocess.STDOUT)
+    try:
+        _wait_healthy(url, agent)
+        _say(f"\n[1/4] agent running: socket {sock}, metrics {url}/metrics")
+        _say(f"[2/4] buggy job: every rank calls torch.save(state, '.../buggy/last.pt')")
+        took = _run_job(workdir, sock, nproc, "every-rank", "buggy")
+        _say(f"      finished in {took:.1f}s")
+        _say("[3/4] fixed job: only global rank 0 saves (dist.get_rank() == 0)")
+        took = _run_job(workdir, sock, nproc, "rank0", "fixed")
+        _say(f"      finished in {took:.1f}s")
+        deadline = time.monotonic() + 15
+        while not _collisions(journal) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        time.sleep(1.0)  # let the fixed job's writes settle too: it must show no collision
+        _say("[4/4] what ckptwatch saw\n")
+        from monitor import report
+        collisions = report.load(journal)
+        _say(report.render_table(collisions, width=80))
+        _say("\nmetrics (" + url + "/metrics):")
+        for line in _metric_lines(url):
+            _say("  " + line)
+        _say("\ncheckpoints on disk:")
+        for job in ("buggy", "fixed"):
+            path = os.path.join(workdir, job, "last.pt")
+            hit = any(c["path"] == path for c in _collisions(journal))
+            _say(f"  {job}/last.pt: {_load_verdict(path)}; "
+                 f"{'COLLISION reported' if hit else 'no collision reported'}")
+        buggy_hit = any(c["path"].endswith("/buggy/last.pt") for c in _collisions(journal))
+        fixed_hit = any(c["path"].endswith("/fixed/last.pt") for c in _collisions(journal))
+        if not buggy_hit or fixed_hit:
+            _say("\nunexpected: the demo did not see what it should (see agent.log)")
+            return 1
+        _say("\nThe fix: guard the save with a global-rank-0 check, e.g.\n"
+             "    if torch.distributed.get_rank() == 0:\n"
+             "        torch.save(state, path)")
+        return 0
+    finally:
+        agent.send_signal(signal.SIGTERM)
+        try:
+            agent.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            agent.kill()
+        agent_log.close()
+        shutil.rmtree(os.path.dirname(sock), ignore_errors=True)
+        if not keep:
+            shutil.rmtree(workdir, ignore_errors=True)
+        else:
+            _say(f"\nkept: {workdir} (journal.jsonl, agent.log, checkpoints)")
