@@ -1,0 +1,484 @@
+"""Prometheus exporter: agent state -> metric families, served on /metrics and /healthz.
+
+The agent loop updates a MetricsState (thread-safe counters and gauges). On every scrape the
+collector takes one immutable snapshot of it and builds fresh metric families, so nothing stale
+survives and one scrape is internally consistent (prometheus/client_python's custom-collector
+pattern).
+
+Metric names and labels are part of the stable contract (design.md, issue 2). No label ever
+holds a file path: paths are unbounded and would explode the series count; they live in the
+journal and in `ckptwatch report` instead.
+
+Note on the `job` label: it is the *training* job id and clashes with Prometheus' own target
+label `job` (the scrape job name). Scrape configs must set `honor_labels: true` so the exported
+value wins; see deploy/prometheus/prometheus.yml.
+"""
+from __future__ import annotations
+
+import bisect
+import errno
+import http.server
+import ipaddress
+import logging
+import socket
+import threading
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Callable, Mapping
+from urllib.parse import urlsplit
+
+from prometheus_client import CollectorRegistry, ProcessCollector
+from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
+                                    HistogramMetricFamily)
+from prometheus_client.exposition import choose_encoder
+
+from monitor.events import REJECT_REASONS
+from monitor.model import Collision, Write
+from monitor.version import __version__
+
+log = logging.getLogger(__name__)
+
+# Checkpoint saves range from a tiny state dict on tmpfs (~1 ms) to a multi-GB model on network
+# storage (minutes); the buckets cover 1 ms .. 10 min with roughly 2-3x steps.
+DURATION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+                    10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+
+
+@dataclass(frozen=True)
+class Histogram:
+    """One label set's histogram: cumulative bucket counts (incl. +Inf), sum and count."""
+
+    buckets: tuple[tuple[str, int], ...]
+    sum: float
+    count: int
+
+
+@dataclass(frozen=True)
+class MetricsSnapshot:
+    """An immutable copy of MetricsState taken under its lock; what the collector reads."""
+
+    writes: Mapping[tuple[str, str], int]              # (job, rank) -> finished writes
+    write_errors: Mapping[str, int]                    # job -> writes whose outcome was not ok
+    write_bytes: Mapping[str, int]                     # job -> bytes
+    write_duration: Mapping[str, Histogram]            # job -> histogram
+    active_writes: Mapping[str, int]                   # job -> writes in flight
+    collisions: Mapping[tuple[str, str, str], int]     # (job, kind, scope) -> collisions
+    last_collision: Mapping[str, float]                # job -> wall time of the last one
+    events_received: int
+    events_rejected: Mapping[str, int]                 # reason -> rejected inputs
+    client_events_dropped: int
+    tracked_paths: int
+    tracked_paths_evicted: int
+    journal_errors: int
+    ingest_connections: int
+
+
+def _format_bound(bound: float) -> str:
+    # Prometheus reads `le` as a float; repr keeps "0.001" and "600.0" exact and stable.
+    return repr(float(bound))
+
+
+class MetricsState:
+    """Thread-safe metric state, updated by the agent loop and the ingest thread.
+
+    One lock guards everything: updates are a few dict operations, far cheaper than a scrape,
+    and a single lock makes snapshot() consistent across metrics.
+    """
+
+    def __init__(self, duration_buckets: tuple[float, ...] = DURATION_BUCKETS):
+        self._lock = threading.Lock()
+        self._bounds = tuple(sorted(float(b) for b in duration_buckets))
+        self._writes: dict[tuple[str, str], int] = {}
+        self._write_errors: dict[str, int] = {}
+        self._write_bytes: dict[str, int] = {}
+        # job -> [per-bucket (non-cumulative) counts..., +Inf count], sum
+        self._duration_counts: dict[str, list[int]] = {}
+        self._duration_sum: dict[str, float] = {}
+        self._active: dict[str, int] = {}
+        self._collisions: dict[tuple[str, str, str], int] = {}
+        self._last_collision: dict[str, float] = {}
+        self._received = 0
+        # Every reason exists from the start at 0, so rate() and alerts work before the
+        # first rejection (a counter that appears at 1 is invisible to increase()).
+        self._rejected: dict[str, int] = {reason: 0 for reason in REJECT_REASONS}
+        self._dropped = 0
+        self._tracked_paths = 0
+        self._evicted_total = 0
+        self._journal_errors = 0
+        self._ingest_connections = 0
+
+    # -- updates -------------------------------------------------------------------------
+
+    def event_received(self, n: int = 1) -> None:
+        with self._lock:
+            self._received += n
+
+    def event_rejected(self, reason: str, n: int = 1) -> None:
+        with self._lock:
+            self._rejected[reason] = self._rejected.get(reason, 0) + n
+
+    def client_dropped(self, n: int) -> None:
+        """A sender reported n events it dropped because its queue was full."""
+        with self._lock:
+            self._dropped += n
+
+    def write_finished(self, write: Write) -> None:
+        """Count one finished write (any outcome) with its bytes and duration."""
+        job = write.writer.job_label
+        rank = "" if write.writer.rank is None else str(write.writer.rank)
+        duration = write.duration
+        with self._lock:
+            key = (job, rank)
+            self._writes[key] = self._writes.get(key, 0) + 1
+            if write.outcome not in (None, "ok"):
+                self._write_errors[job] = self._write_errors.get(job, 0) + 1
+            if write.bytes is not None and write.bytes >= 0:
+                self._write_bytes[job] = self._write_bytes.get(job, 0) + write.bytes
+            if duration is not None:
+                counts = self._duration_counts.get(job)
+                if counts is None:
+                    counts = self._duration_counts[job] = [0] * (len(self._bounds) + 1)
+                counts[bisect.bisect_left(self._bounds, duration)] += 1
+                self._duration_sum[job] = self._duration_sum.get(job, 0.0) + duration
+
+    def collision(self, c: Collision) -> None:
+        job = c.job_label
+        with self._lock:
+            key = (job, c.kind, c.scope)
+            self._collisions[key] = self._collisions.get(key, 0) + 1
+            when = c.detected_wall or max((w.end_wall or w.start_wall) for w in c.writes)
+            self._last_collision[job] = max(when, self._last_collision.get(job, 0.0))
+
+    def set_active_writes(self, by_job: dict[str, int]) -> None:
+        """Replace the in-flight write counts; jobs absent from by_job drop out of the gauge."""
+        with self._lock:
+            self._active = {job: int(n) for job, n in by_job.items()}
+
+    def set_detector_stats(self, tracked_paths: int, evicted_paths_total: int) -> None:
+        with self._lock:
+            self._tracked_paths = int(tracked_paths)
+            self._evicted_total = int(evicted_paths_total)
+
+    def journal_error(self, n: int = 1) -> None:
+        with self._lock:
+            self._journal_errors += n
+
+    def set_ingest_connections(self, n: int) -> None:
+        with self._lock:
+            self._ingest_connections = int(n)
+
+    # -- reading ---------------------------------------------------------------------------
+
+    def snapshot(self) -> MetricsSnapshot:
+        with self._lock:
+            histograms = {}
+            for job, counts in self._duration_counts.items():
+                cumulative, running = [], 0
+                for bound, n in zip(self._bounds, counts):
+                    running += n
+                    cumulative.append((_format_bound(bound), running))
+                running += counts[-1]
+                cumulative.append(("+Inf", running))
+                histograms[job] = Histogram(tuple(cumulative), self._duration_sum[job], running)
+            return MetricsSnapshot(
+                writes=MappingProxyType(dict(self._writes)),
+                write_errors=MappingProxyType(dict(self._write_errors)),
+                write_bytes=MappingProxyType(dict(self._write_bytes)),
+                write_duration=MappingProxyType(histograms),
+                active_writes=MappingProxyType(dict(self._active)),
+                collisions=MappingProxyType(dict(self._collisions)),
+                last_collision=MappingProxyType(dict(self._last_collision)),
+                events_received=self._received,
+                events_rejected=MappingProxyType(dict(self._rejected)),
+                client_events_dropped=self._dropped,
+                tracked_paths=self._tracked_paths,
+                tracked_paths_evicted=self._evicted_total,
+                journal_errors=self._journal_errors,
+                ingest_connections=self._ingest_connections,
+            )
+
+
+class CkptwatchCollector:
+    """Custom collector: fresh metric families from one MetricsState snapshot per scrape."""
+
+    def __init__(self, state: MetricsState, registry: CollectorRegistry | None = None):
+        self._state = state
+        if registry is not None:
+            registry.register(self)
+
+    def collect(self):
+        s = self._state.snapshot()
+
+        build = GaugeMetricFamily("ckptwatch_build_info",
+                                  "ckptwatch build information; the value is always 1.",
+                                  labels=["version"])
+        build.add_metric([__version__], 1)
+        yield build
+
+        writes = CounterMetricFamily("ckptwatch_writes",
+                                     "Finished torch.save writes (any outcome); rank is "
+                                     "empty when unknown.", labels=["job", "rank"])
+        for (job, rank), n in sorted(s.writes.items()):
+            writes.add_metric([job, rank], n)
+        yield writes
+
+        errors = CounterMetricFamily("ckptwatch_write_errors",
+                                     "Finished torch.save writes whose save raised.",
+                                     labels=["job"])
+        for job, n in sorted(s.write_errors.items()):
+            errors.add_metric([job], n)
+        yield errors
+
+        nbytes = CounterMetricFamily("ckptwatch_write_bytes",
+                                     "Bytes on disk after finished torch.save writes.",
+                                     labels=["job"], unit="bytes")
+        for job, n in sorted(s.write_bytes.items()):
+            nbytes.add_metric([job], n)
+        yield nbytes
+
+        duration = HistogramMetricFamily("ckptwatch_write_duration_seconds",
+                                         "Duration of finished torch.save writes.",
+                                         labels=["job"], unit="seconds")
+        for job, h in sorted(s.write_duration.items()):
+            duration.add_metric([job], list(h.buckets), sum_value=h.sum)
+        yield duration
+
+        active = GaugeMetricFamily("ckptwatch_active_writes",
+                                   "torch.save writes in flight right now.", labels=["job"])
+        for job, n in sorted(s.active_writes.items()):
+            active.add_metric([job], n)
+        yield active
+
+        collisions = CounterMetricFamily("ckptwatch_collisions",
+                                         "Write collisions: kind is concurrent (overlapping "
+                                         "writes, corruption) or redundant (same job run, one "
+                                         "after another).", labels=["job", "kind", "scope"])
+        for (job, kind, scope), n in sorted(s.collisions.items()):
+            collisions.add_metric([job, kind, scope], n)
+        yield collisions
+
+        last = GaugeMetricFamily("ckptwatch_last_collision_timestamp_seconds",
+                                 "Unix time of the last collision detected for a job.",
+                                 labels=["job"], unit="seconds")
+        for job, t in sorted(s.last_collision.items()):
+            last.add_metric([job], t)
+        yield last
+
+        yield CounterMetricFamily("ckptwatch_events_received",
+                                  "Valid events received from instrumented processes.",
+                                  value=s.events_received)
+
+        rejected = CounterMetricFamily("ckptwatch_events_rejected",
+                                       "Inputs rejected by the agent's ingest, by reason.",
+                                       labels=["reason"])
+        for reason, n in sorted(s.events_rejected.items()):
+            rejected.add_metric([reason], n)
+        yield rejected
+
+        yield CounterMetricFamily("ckptwatch_client_events_dropped",
+                                  "Events instrumented processes dropped because their send "
+                                  "queue was full (as reported by them).",
+                                  value=s.client_events_dropped)
+        yield GaugeMetricFamily("ckptwatch_tracked_paths",
+                                "Paths the detector currently holds writes for.",
+                                value=s.tracked_paths)
+        yield CounterMetricFamily("ckptwatch_tracked_paths_evicted",
+                                  "Paths evicted from the detector because the path cap was "
+                                  "reached (their collisions may be missed).",
+                                  value=s.tracked_paths_evicted)
+        yield CounterMetricFamily("ckptwatch_journal_errors",
+                                  "Journal writes that failed.", value=s.journal_errors)
+        yield GaugeMetricFamily("ckptwatch_ingest_connections",
+                                "Instrumented processes connected to the ingest socket.",
+                                value=s.ingest_connections)
+
+
+def build_registry(state: MetricsState) -> CollectorRegistry:
+    """A fresh registry holding the ckptwatch collector and the process collector.
+
+    process_* (RSS, CPU, open fds) is kept: the agent claims bounded memory and one fd per
+    connected process, and SREs need to see that. The platform and GC collectors are left out:
+    python_info and gc_* say nothing about the agent's job and only add series.
+    """
+    registry = CollectorRegistry(auto_describe=True)
+    CkptwatchCollector(state, registry=registry)
+    ProcessCollector(registry=registry)
+    return registry
+
+
+# --- HTTP server -------------------------------------------------------------------------
+
+def parse_listen_address(text: str) -> tuple[str, int]:
+    """Parse ":19400", "127.0.0.1:19400", "[::1]:19400", "host:0" into (host, port).
+
+    host is "" for "all interfaces". Raises ValueError with a message naming the problem.
+    """
+    if not isinstance(text, str) or not text.strip():
+        raise ValueError("listen address is empty; expected host:port, e.g. :19400")
+    text = text.strip()
+    if text.startswith("["):
+        close = text.find("]")
+        if close < 0:
+            raise ValueError(f"listen address {text!r}: missing ']' after IPv6 address")
+        host, rest = text[1:close], text[close + 1:]
+        if not rest.startswith(":"):
+            raise ValueError(f"listen address {text!r}: expected ':port' after ']'")
+        port_text = rest[1:]
+        try:
+            ipaddress.IPv6Address(host)
+        except ValueError:
+            raise ValueError(f"listen address {text!r}: {host!r} is not an IPv6 address") \
+                from None
+    else:
+        host, sep, port_text = text.rpartition(":")
+        if not sep:
+            raise ValueError(f"listen address {text!r}: missing port; expected host:port, "
+                             "e.g. :19400")
+        if ":" in host:
+            raise ValueError(f"listen address {text!r}: put IPv6 addresses in brackets, "
+                             "e.g. [::1]:19400")
+    if not port_text.isdigit():
+        raise ValueError(f"listen address {text!r}: port {port_text!r} is not a number")
+    port = int(port_text)
+    if port > 65535:
+        raise ValueError(f"listen address {text!r}: port {port} is out of range 0-65535")
+    return host, port
+
+
+class _Server(http.server.ThreadingHTTPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+    dual_stack = False
+
+    def server_bind(self):
+        if self.dual_stack:
+            # ":port" means every interface, IPv6 and IPv4 (as node_exporter does).
+            self.socket.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        super().server_bind()
+
+
+def _bind_candidates(host: str, port: int) -> list[tuple[type, tuple[str, int]]]:
+    """Server classes and bind addresses to try in order for a parsed listen address.
+
+    "" means every interface: dual-stack IPv6 first (as node_exporter does), then IPv4 for
+    kernels or containers where IPv6 is disabled.
+    """
+    if host == "":
+        dual = type("_DualStackServer", (_Server,),
+                    {"address_family": socket.AF_INET6, "dual_stack": True})
+        return [(dual, ("::", port)), (_Server, ("0.0.0.0", port))]
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        raise OSError(f"cannot resolve listen host {host!r}: {exc}") from None
+    out = []
+    for family, _, _, _, sockaddr in infos:
+        if family == socket.AF_INET6:
+            out.append((type("_Server6", (_Server,), {"address_family": family}),
+                        (sockaddr[0], port)))
+        elif family == socket.AF_INET:
+            out.append((_Server, (sockaddr[0], port)))
+    return out
+
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    # Set per server in MetricsServer.start().
+    registry: CollectorRegistry
+    health: Callable[[], tuple[bool, str]]
+
+    def do_GET(self):  # noqa: N802 (http.server's naming)
+        route = urlsplit(self.path).path
+        if route == "/metrics":
+            self._metrics()
+        elif route == "/healthz":
+            self._healthz()
+        else:
+            self._reply(404, b"not found\n", "text/plain; charset=utf-8")
+
+    def _metrics(self):
+        encoder, content_type = choose_encoder(self.headers.get("Accept"))
+        try:
+            body = encoder(self.registry)
+        except Exception as exc:  # a broken collector must not kill the server thread
+            log.exception("metrics collection failed")
+            self._reply(500, f"collection failed: {exc}\n".encode(), "text/plain")
+            return
+        self._reply(200, body, content_type)
+
+    def _healthz(self):
+        try:
+            ok, reason = self.health()
+        except Exception as exc:
+            ok, reason = False, f"health check raised {type(exc).__name__}: {exc}"
+        if ok:
+            self._reply(200, b"ok\n", "text/plain; charset=utf-8")
+        else:
+            self._reply(503, (reason or "unhealthy").encode() + b"\n",
+                        "text/plain; charset=utf-8")
+
+    def _reply(self, code: int, body: bytes, content_type: str):
+        self.send_response(code)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format, *args):  # noqa: A002 (signature from http.server)
+        # Scrapes every 15 s would flood the agent log; keep them at debug level.
+        log.debug("%s %s", self.address_string(), format % args)
+
+
+class MetricsServer:
+    """Serves /metrics and /healthz from a daemon thread.
+
+    address: ":19400", "127.0.0.1:19400", "[::1]:19400", "host:0" (0 = an ephemeral port;
+    read .port after start()). A malformed address raises ValueError here, before start(), so
+    the agent reports it with the other configuration errors. health() returns (ok, reason).
+    """
+
+    def __init__(self, address: str, registry: CollectorRegistry,
+                 health: Callable[[], tuple[bool, str]] = lambda: (True, "")):
+        self.host, self._requested_port = parse_listen_address(address)
+        self.address = address
+        self._registry = registry
+        self._health = health
+        self._server: http.server.ThreadingHTTPServer | None = None
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self.port: int | None = None
+
+    def start(self) -> None:
+        """Bind and serve; a second call is a no-op. Raises OSError if the bind fails."""
+        with self._lock:
+            if self._server is not None:
+                return
+            handler = type("Handler", (_Handler,),
+                           {"registry": self._registry, "health": staticmethod(self._health)})
+            server, error = None, None
+            for server_cls, bind in _bind_candidates(self.host, self._requested_port):
+                try:
+                    server = server_cls(bind, handler)
+                    break
+                except OSError as exc:
+                    error = error or exc
+                    if exc.errno == errno.EADDRINUSE:
+                        break  # the port is taken: another family would only hide that
+            if server is None:
+                raise error or OSError(f"cannot listen on {self.address!r}")
+            self.port = server.server_address[1]
+            thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.1},
+                                      name=f"ckptwatch-metrics:{self.port}", daemon=True)
+            thread.start()
+            self._server, self._thread = server, thread
+            log.info("serving metrics on %s (port %d)", self.address, self.port)
+
+    def stop(self) -> None:
+        """Stop serving and join the thread; a second call is a no-op."""
+        with self._lock:
+            server, thread = self._server, self._thread
+            self._server = self._thread = None
+        if server is None:
+            return
+        server.shutdown()
+        server.server_close()
+        thread.join()
