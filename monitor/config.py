@@ -1,0 +1,306 @@
+"""Agent configuration: one dataclass, defaults and validation in one place.
+
+Flags follow the Prometheus exporter style (`--web.listen-address`, `--log.level`). Every flag
+can also be set in a config file (`--config.file PATH`, TOML or YAML by extension), either
+nested (`web: {listen-address: ...}`) or flat (`"web.listen-address": ...`). Precedence:
+defaults < config file < flags. Every problem found is collected and reported at once
+(ConfigError.errors), so a user fixes a broken config in one round trip, not one per error.
+"""
+from __future__ import annotations
+
+import argparse
+import grp
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from monitor import paths
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
+LOG_FORMATS = ("logfmt", "json")
+
+
+class ConfigError(Exception):
+    """Invalid configuration; .errors lists every problem, one human-readable line each."""
+
+    def __init__(self, errors: list[str]):
+        super().__init__("\n".join(errors))
+        self.errors = list(errors)
+
+
+def default_journal_path() -> str:
+    """The journal exporter's default if it defines one, else a per-user state directory."""
+    try:
+        from exporters.journal import default_journal_path as journal_default
+        return journal_default()
+    except (ImportError, AttributeError):
+        state = os.environ.get("XDG_STATE_HOME") or os.path.join(
+            os.path.expanduser("~"), ".local", "state")
+        return os.path.join(state, "ckptwatch", "journal.jsonl")
+
+
+@dataclass
+class Config:
+    """Everything the agent needs to run. Build it with load(argv); defaults live here."""
+
+    listen_address: str = paths.DEFAULT_METRICS_ADDRESS
+    socket: str = field(default_factory=paths.default_socket_path)
+    socket_mode: int = 0o660
+    socket_group: int | None = None         # gid, resolved from a name or number
+    journal_path: str = field(default_factory=default_journal_path)
+    journal_max_bytes: int = 64 * 1024 * 1024
+    journal_backups: int = 5
+    collision_window: float = 60.0
+    collision_settle: float = 1.0
+    collision_stale_after: float = 3600.0
+    collision_max_paths: int = 10000
+    log_level: str = "info"
+    log_format: str = "logfmt"
+
+
+# --- value converters: take a flag string or a config-file value, return the typed value or
+# --- raise ValueError with a message that completes "<flag>: ..."
+
+def _address(value: Any) -> str:
+    if not isinstance(value, str) or not value:
+        raise ValueError("expected [host]:port, e.g. :19400 or 127.0.0.1:19400")
+    try:
+        from exporters.prometheus import parse_listen_address
+    except ImportError:
+        parse_listen_address = _parse_address_fallback
+    try:
+        parse_listen_address(value)
+    except Exception as exc:  # its own error type is its business; report the message
+        raise ValueError(f"invalid listen address {value!r}: {exc}") from None
+    return value
+
+
+def _parse_address_fallback(value: str) -> tuple[str, int]:
+    host, sep, port = value.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError("expected [host]:port with a port in 0-65535")
+    return host.strip("[]"), int(port)
+
+
+def _path(value: Any) -> str:
+    if not isinstance(value, str) or not value:
+        raise ValueError("expected a non-empty path")
+    return os.path.abspath(os.path.expanduser(value))
+
+
+def _mode(value: Any) -> int:
+    # A config file may give an int (YAML 0660 and TOML 0o660 are already octal-decoded);
+    # a string is always read as octal, as chmod does.
+    if isinstance(value, bool):
+        raise ValueError("expected an octal mode such as 0660")
+    if isinstance(value, int):
+        mode = value
+    elif isinstance(value, str):
+        text = value.strip().lower().removeprefix("0o")
+        try:
+            mode = int(text, 8)
+        except ValueError:
+            raise ValueError(f"invalid mode {value!r}: expected octal such as 0660") from None
+    else:
+        raise ValueError("expected an octal mode such as 0660")
+    if not 0 <= mode <= 0o7777:
+        raise ValueError(f"mode {oct(mode)} out of range 0-07777")
+    return mode
+
+
+def _group(value: Any) -> int | None:
+    if value is None or value == "":
+        return None
+    if isinstance(value, bool):
+        raise ValueError("expected a group name or gid")
+    if isinstance(value, int) or (isinstance(value, str) and value.isdigit()):
+        gid = int(value)
+        try:
+            grp.getgrgid(gid)
+        except KeyError:
+            raise ValueError(f"unknown group id {gid}") from None
+        return gid
+    if isinstance(value, str):
+        try:
+            return grp.getgrnam(value).gr_gid
+        except KeyError:
+            raise ValueError(f"unknown group {value!r}") from None
+    raise ValueError("expected a group name or gid")
+
+
+def _number(kind: type, minimum: float, strict: bool = False) -> Callable[[Any], Any]:
+    word = "an integer" if kind is int else "a number"
+
+    def convert(value: Any) -> Any:
+        if isinstance(value, bool):
+            raise ValueError(f"expected {word}")
+        try:
+            if isinstance(value, str):
+                number = kind(value.strip())
+            elif isinstance(value, int) or (kind is float and isinstance(value, float)):
+                number = kind(value)
+            else:
+                raise ValueError
+        except ValueError:
+            raise ValueError(f"expected {word}, got {value!r}") from None
+        if number < minimum or (strict and number == minimum):
+            bound = "greater than" if strict else "at least"
+            raise ValueError(f"must be {bound} {minimum}, got {value!r}")
+        return number
+    return convert
+
+
+def _choice(choices: tuple[str, ...]) -> Callable[[Any], str]:
+    def convert(value: Any) -> str:
+        if not isinstance(value, str) or value.lower() not in choices:
+            raise ValueError(f"expected one of {', '.join(choices)}, got {value!r}")
+        return value.lower()
+    return convert
+
+
+@dataclass(frozen=True)
+class Option:
+    flag: str                      # without the leading "--"; also the config-file key
+    attr: str                      # Config field
+    convert: Callable[[Any], Any]
+    help: str
+    show_default: Callable[[], str] | None = None
+
+
+OPTIONS = (
+    Option("web.listen-address", "listen_address", _address,
+           "address for /metrics and /healthz, [host]:port"),
+    Option("ingest.socket", "socket", _path,
+           "Unix socket that instrumented processes send events to "
+           "(they read it from CKPTWATCH_SOCKET)"),
+    Option("ingest.socket-mode", "socket_mode", _mode,
+           "permissions of the socket file, octal; senders need write access",
+           lambda: "0660"),
+    Option("ingest.socket-group", "socket_group", _group,
+           "group (name or gid) that owns the socket file, so trainers of that group can "
+           "connect", lambda: "none: the agent's group"),
+    Option("journal.path", "journal_path", _path,
+           "JSONL journal of finished writes and collisions (appended across restarts)"),
+    Option("journal.max-bytes", "journal_max_bytes", _number(int, 1),
+           "rotate the journal when it exceeds this many bytes"),
+    Option("journal.backups", "journal_backups", _number(int, 0),
+           "rotated journal files to keep"),
+    Option("collision.window", "collision_window", _number(float, 0, strict=True),
+           "seconds during which sequential writes of one path by one job run count as "
+           "a redundant write"),
+    Option("collision.settle", "collision_settle", _number(float, 0),
+           "seconds without a new overlapping write before a collision is final and reported"),
+    Option("collision.stale-after", "collision_stale_after", _number(float, 0, strict=True),
+           "seconds after which a write that never ended is given up as lost"),
+    Option("collision.max-paths", "collision_max_paths", _number(int, 1),
+           "paths tracked at once; the oldest are evicted beyond this (bounds memory)"),
+    Option("log.level", "log_level", _choice(LOG_LEVELS),
+           f"log level: {', '.join(LOG_LEVELS)}"),
+    Option("log.format", "log_format", _choice(LOG_FORMATS),
+           f"log line format: {', '.join(LOG_FORMATS)}"),
+)
+_BY_FLAG = {o.flag: o for o in OPTIONS}
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises instead of exiting, so flag errors join the other errors."""
+
+    def error(self, message: str):
+        raise ConfigError([message])
+
+
+def build_parser(prog: str = "ckptwatch agent") -> argparse.ArgumentParser:
+    """The agent's flags. Defaults are None so load() can tell given flags from absent ones."""
+    parser = _Parser(
+        prog=prog,
+        description="ckptwatch agent: receives torch.save write events from instrumented "
+                    "processes on this node, detects concurrent writes to one checkpoint "
+                    "path, and exports them to Prometheus, a JSONL journal and the log.",
+        epilog="Every flag can also be set in --config.file (TOML or YAML), nested "
+               "(web: {listen-address: ...}) or flat (\"web.listen-address\": ...). "
+               "Flags override the file. Invalid configuration exits with code 2.")
+    parser.add_argument("--config.file", dest="config_file", metavar="PATH", default=None,
+                        help="TOML (.toml) or YAML (.yaml/.yml) file with any of the settings "
+                             "below (default: none)")
+    defaults = Config()
+    for opt in OPTIONS:
+        shown = opt.show_default() if opt.show_default else getattr(defaults, opt.attr)
+        parser.add_argument(f"--{opt.flag}", dest=opt.attr, default=None,
+                            metavar=opt.flag.split(".")[-1].upper().replace("-", "_"),
+                            help=f"{opt.help} (default: {shown})")
+    return parser
+
+
+def _flatten(data: dict, prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in data.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            flat.update(_flatten(value, name + "."))
+        else:
+            flat[name] = value
+    return flat
+
+
+def read_file(path: str) -> tuple[dict[str, Any], list[str]]:
+    """Settings from a TOML/YAML config file as {flag: value}, and the errors found."""
+    ext = os.path.splitext(path)[1].lower()
+    try:
+        with open(path, "rb") as fh:
+            raw = fh.read()
+    except OSError as exc:
+        return {}, [f"--config.file: cannot read {path}: {exc.strerror or exc}"]
+    try:
+        if ext == ".toml":
+            import tomllib
+            data = tomllib.loads(raw.decode("utf-8"))
+        elif ext in (".yaml", ".yml"):
+            import yaml
+            data = yaml.safe_load(raw) or {}
+        else:
+            return {}, [f"--config.file: {path}: unknown extension {ext!r}, "
+                        "expected .toml, .yaml or .yml"]
+    except Exception as exc:  # tomllib/yaml/unicode errors: report, never traceback
+        detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        return {}, [f"--config.file: {path}: cannot parse: {detail}"]
+    if not isinstance(data, dict):
+        return {}, [f"--config.file: {path}: expected a mapping of settings at the top level"]
+    settings, errors = {}, []
+    for key, value in _flatten(data).items():
+        if key in _BY_FLAG:
+            settings[key] = value
+        else:
+            errors.append(f"{path}: unknown setting {key!r}")
+    return settings, errors
+
+
+def load(argv: list[str] | None = None) -> Config:
+    """Build the Config from flags and the optional config file; raise ConfigError on errors."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    errors = [f"unknown flag {arg!r}" if arg.startswith("-") else f"unexpected argument {arg!r}"
+              for arg in unknown]
+    values: dict[str, tuple[str, Any]] = {}   # attr -> (where it came from, raw value)
+    if args.config_file:
+        settings, file_errors = read_file(args.config_file)
+        errors += file_errors
+        for key, value in settings.items():
+            values[_BY_FLAG[key].attr] = (f"{args.config_file}: {key}", value)
+    for opt in OPTIONS:
+        given = getattr(args, opt.attr)
+        if given is not None:
+            values[opt.attr] = (f"--{opt.flag}", given)
+    converted = {}
+    for opt in OPTIONS:
+        if opt.attr not in values:
+            continue
+        where, raw = values[opt.attr]
+        try:
+            converted[opt.attr] = opt.convert(raw)
+        except ValueError as exc:
+            errors.append(f"{where}: {exc}")
+    if errors:
+        raise ConfigError(errors)
+    return Config(**converted)

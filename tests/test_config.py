@@ -1,0 +1,140 @@
+"""monitor.config: defaults, config files (TOML, YAML), precedence, every error at once."""
+import grp
+import os
+import subprocess
+import sys
+
+import pytest
+
+from helpers import REPO_ROOT, subprocess_env
+from monitor import config, paths
+from monitor.config import Config, ConfigError, load
+
+
+def test_defaults():
+    cfg = load([])
+    assert cfg == Config()
+    assert cfg.listen_address == paths.DEFAULT_METRICS_ADDRESS == ":19400"
+    assert cfg.socket == paths.default_socket_path()
+    assert cfg.socket_mode == 0o660
+    assert cfg.socket_group is None
+    assert cfg.collision_window == 60.0
+    assert cfg.collision_settle == 1.0
+    assert cfg.collision_max_paths == 10000
+    assert cfg.log_level == "info"
+    assert cfg.journal_path.endswith(".jsonl")
+
+
+def test_flags_are_parsed_and_typed(tmp_path):
+    cfg = load(["--web.listen-address", "127.0.0.1:0", "--ingest.socket", str(tmp_path / "s"),
+                "--ingest.socket-mode=0600", "--collision.window", "2.5",
+                "--collision.max-paths", "7", "--journal.backups", "0", "--log.level", "DEBUG"])
+    assert cfg.listen_address == "127.0.0.1:0"
+    assert cfg.socket == str(tmp_path / "s")
+    assert cfg.socket_mode == 0o600
+    assert cfg.collision_window == 2.5
+    assert cfg.collision_max_paths == 7
+    assert cfg.journal_backups == 0
+    assert cfg.log_level == "debug"
+
+
+def test_socket_group_by_name_and_gid():
+    group = grp.getgrgid(os.getgid())
+    assert load(["--ingest.socket-group", group.gr_name]).socket_group == group.gr_gid
+    assert load(["--ingest.socket-group", str(group.gr_gid)]).socket_group == group.gr_gid
+
+
+def test_toml_nested_and_flat_keys(tmp_path):
+    path = tmp_path / "agent.toml"
+    path.write_text('"collision.settle" = 0.25\n'
+                    '[web]\nlisten-address = "127.0.0.1:19999"\n'
+                    '[ingest]\nsocket-mode = 0o640\n'
+                    '[collision]\nwindow = 5\n')
+    cfg = load(["--config.file", str(path)])
+    assert cfg.listen_address == "127.0.0.1:19999"
+    assert cfg.socket_mode == 0o640
+    assert cfg.collision_window == 5.0
+    assert cfg.collision_settle == 0.25
+
+
+def test_yaml_nested_and_flat_keys(tmp_path):
+    path = tmp_path / "agent.yaml"
+    path.write_text("web:\n  listen-address: '127.0.0.1:19998'\n"
+                    "journal.max-bytes: 1000\n"
+                    "ingest:\n  socket-mode: '0600'\n"
+                    "log:\n  level: warning\n")
+    cfg = load(["--config.file", str(path)])
+    assert cfg.listen_address == "127.0.0.1:19998"
+    assert cfg.journal_max_bytes == 1000
+    assert cfg.socket_mode == 0o600
+    assert cfg.log_level == "warning"
+
+
+def test_precedence_defaults_file_flags(tmp_path):
+    path = tmp_path / "agent.yml"
+    path.write_text("collision:\n  window: 5\n  settle: 0.5\n")
+    cfg = load(["--config.file", str(path), "--collision.window", "9"])
+    assert cfg.collision_window == 9.0          # flag beats file
+    assert cfg.collision_settle == 0.5          # file beats default
+    assert cfg.collision_max_paths == 10000     # default stays
+
+
+def test_every_error_reported_at_once(tmp_path):
+    path = tmp_path / "bad.toml"
+    path.write_text('[web]\nlisten-adress = ":1"\n'        # typo: unknown key
+                    '[collision]\nwindow = "soon"\n'        # wrong type
+                    'max-paths = 0\n')
+    with pytest.raises(ConfigError) as info:
+        load(["--config.file", str(path), "--bogus", "--collision.settle", "-1",
+              "--web.listen-address", "nonsense", "--ingest.socket-mode", "0999",
+              "--ingest.socket-group", "no-such-group-cw", "--log.level", "loud"])
+    text = "\n".join(info.value.errors)
+    expected = ["web.listen-adress", "--bogus", "collision.window", "collision.max-paths",
+                "--collision.settle", "--web.listen-address", "--ingest.socket-mode",
+                "no-such-group-cw", "--log.level"]
+    for needle in expected:
+        assert needle in text, f"{needle!r} missing from errors:\n{text}"
+    assert len(info.value.errors) == len(expected)
+
+
+def test_unparseable_and_unknown_config_files(tmp_path):
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("web: [unclosed\n")
+    with pytest.raises(ConfigError, match="cannot parse"):
+        load(["--config.file", str(broken)])
+    with pytest.raises(ConfigError, match="unknown extension"):
+        (tmp_path / "agent.ini").write_text("x=1")
+        load(["--config.file", str(tmp_path / "agent.ini")])
+    with pytest.raises(ConfigError, match="cannot read"):
+        load(["--config.file", str(tmp_path / "missing.toml")])
+
+
+def test_help_lists_every_flag_with_default():
+    text = config.build_parser().format_help()
+    for opt in config.OPTIONS:
+        assert f"--{opt.flag}" in text
+    assert "--config.file" in text
+    assert "(default: :19400)" in text
+    assert "(default: 0660)" in text
+
+
+def _agent(*args):
+    return subprocess.run([sys.executable, os.path.join(REPO_ROOT, "agent.py"), *args],
+                          capture_output=True, text=True, timeout=60, env=subprocess_env())
+
+
+def test_agent_exits_2_listing_every_error():
+    proc = _agent("--bad", "--collision.window", "-3", "--web.listen-address", "x")
+    assert proc.returncode == 2, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert any("--bad" in line for line in lines)
+    assert any("--collision.window" in line for line in lines)
+    assert any("--web.listen-address" in line for line in lines)
+    assert "Traceback" not in proc.stderr
+
+
+def test_agent_help_shows_flags():
+    proc = _agent("--help")
+    assert proc.returncode == 0
+    for opt in config.OPTIONS:
+        assert f"--{opt.flag}" in proc.stdout
