@@ -1,0 +1,306 @@
+"""Agent-side socket server: receives framed events, validates them, reports rejects.
+
+One background thread multiplexes every connection with `selectors` over non-blocking sockets;
+each connection has its own FrameReader, so one client's garbage never touches another's
+stream. Transport and framing are described in monitor/events.py.
+
+Each event's pid is checked against the kernel's peer credentials (SO_PEERCRED) of the
+connection it arrived on, so a process cannot report writes on behalf of another. The kernel
+translates the peer pid into the agent's pid namespace: the agent must therefore run in the same
+pid namespace as the training processes (hostPID: true on Kubernetes, or the same container),
+otherwise every event is rejected as "pid_mismatch".
+
+Callbacks run on the server thread: on_event(event) for every valid event, on_reject(reason)
+(reason from monitor.events.REJECT_REASONS) for every rejected input. They should be quick.
+"""
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import selectors
+import socket
+import stat
+import struct
+import threading
+from typing import Callable
+
+from monitor import events
+
+log = logging.getLogger("ckptwatch.ingest")
+
+_PEERCRED = struct.Struct("3i")     # struct ucred: pid, uid, gid
+_CHUNK = 256 * 1024                 # bytes per recv: thousands of small events per syscall
+_READS_PER_TURN = 8                 # then serve other connections (fairness)
+_BACKLOG = 4096                     # the kernel caps it at net.core.somaxconn
+
+
+class IngestError(RuntimeError):
+    """The ingest socket cannot be set up; the message says why and what to do."""
+
+
+class AgentAlreadyRunning(IngestError):
+    """Another agent is alive and answering on the socket path."""
+
+
+class _Conn:
+    __slots__ = ("sock", "pid", "reader")
+
+    def __init__(self, sock: socket.socket, pid: int):
+        self.sock = sock
+        self.pid = pid
+        self.reader = events.FrameReader()
+
+
+class IngestServer:
+    """Unix stream socket server feeding validated events to on_event."""
+
+    def __init__(self, path: str, on_event: Callable[[dict], None],
+                 on_reject: Callable[[str], None], socket_mode: int = 0o660,
+                 socket_group: int | str | None = None, max_connections: int = 1024):
+        self.path = path
+        self._on_event = on_event
+        self._on_reject = on_reject
+        self._mode = socket_mode
+        self._group = socket_group
+        self._max_connections = max_connections
+        self._listener: socket.socket | None = None
+        self._identity: tuple[int, int] | None = None   # (st_dev, st_ino) of our socket file
+        self._selector: selectors.BaseSelector | None = None
+        self._wake_r: socket.socket | None = None
+        self._wake_w: socket.socket | None = None
+        self._conns: dict[int, _Conn] = {}
+        self._thread: threading.Thread | None = None
+        self._stopping = threading.Event()
+        self.errors_total = 0          # unexpected errors, logged and survived
+        self.refused_total = 0         # connections closed because max_connections was reached
+
+    # --- lifecycle ---------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Bind the socket and start serving. Raises AgentAlreadyRunning or IngestError."""
+        self._prepare_path()
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            listener.bind(self.path)
+            st = os.stat(self.path)
+            self._identity = (st.st_dev, st.st_ino)
+            os.chmod(self.path, self._mode)
+            if self._group is not None:
+                os.chown(self.path, -1, self._resolve_group(self._group))
+            listener.listen(_BACKLOG)
+            listener.setblocking(False)
+        except OSError as exc:
+            listener.close()
+            self._unlink_if_ours()
+            raise IngestError(f"cannot listen on {self.path}: {exc.strerror or exc}") from exc
+        self._listener = listener
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self._selector = selectors.DefaultSelector()
+        self._selector.register(listener, selectors.EVENT_READ, None)
+        self._selector.register(self._wake_r, selectors.EVENT_READ, None)
+        self._stopping.clear()
+        self._thread = threading.Thread(target=self._serve, name="ckptwatch-ingest", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Close every connection, join the thread, remove the socket file if still ours."""
+        if self._thread is None:
+            return
+        self._stopping.set()
+        try:
+            self._wake_w.send(b"x")
+        except OSError:
+            pass
+        self._thread.join(timeout)
+        self._thread = None
+        for conn in list(self._conns.values()):
+            conn.sock.close()
+        self._conns.clear()
+        for sock in (self._listener, self._wake_r, self._wake_w):
+            if sock is not None:
+                sock.close()
+        self._selector.close()
+        self._listener = self._wake_r = self._wake_w = self._selector = None
+        self._unlink_if_ours()
+
+    @property
+    def connections(self) -> int:
+        """Currently connected clients (for a gauge)."""
+        return len(self._conns)
+
+    @property
+    def alive(self) -> bool:
+        """True while the server thread runs; /healthz reports unhealthy otherwise."""
+        return self._thread is not None and self._thread.is_alive()
+
+    # --- socket path -------------------------------------------------------------------------
+
+    def _prepare_path(self) -> None:
+        directory = os.path.dirname(self.path) or "."
+        try:
+            os.makedirs(directory, mode=0o755, exist_ok=True)
+        except OSError as exc:
+            raise IngestError(f"cannot create socket directory {directory}: "
+                              f"{exc.strerror or exc}") from exc
+        try:
+            st = os.lstat(self.path)
+        except FileNotFoundError:
+            return
+        if not stat.S_ISSOCK(st.st_mode):
+            raise IngestError(f"{self.path} exists and is not a socket; refusing to replace it "
+                              "(remove it yourself or choose another --ingest.socket)")
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        probe.settimeout(1.0)
+        try:
+            probe.connect(self.path)
+        except ConnectionRefusedError:
+            # Nobody listens: a socket left by an agent that died without cleaning up.
+            log.info("replacing stale socket %s", self.path)
+            os.unlink(self.path)
+            return
+        except OSError as exc:
+            if exc.errno == errno.EAGAIN:   # backlog full: someone is listening
+                raise AgentAlreadyRunning(self._already_running_message()) from exc
+            raise IngestError(f"cannot tell whether {self.path} is in use: "
+                              f"{exc.strerror or exc}") from exc
+        finally:
+            probe.close()
+        raise AgentAlreadyRunning(self._already_running_message())
+
+    def _already_running_message(self) -> str:
+        return (f"another ckptwatch agent is already listening on {self.path}; stop it first "
+                "or choose another --ingest.socket")
+
+    def _unlink_if_ours(self) -> None:
+        # Only remove the file we created: a newer agent may have replaced it meanwhile.
+        if self._identity is None:
+            return
+        try:
+            st = os.lstat(self.path)
+            if (st.st_dev, st.st_ino) == self._identity:
+                os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            log.warning("could not remove socket %s: %s", self.path, exc)
+        self._identity = None
+
+    @staticmethod
+    def _resolve_group(group: int | str) -> int:
+        if isinstance(group, int):
+            return group
+        import grp
+        try:
+            return int(group) if group.isdigit() else grp.getgrnam(group).gr_gid
+        except KeyError:
+            raise OSError(errno.EINVAL, f"unknown group {group!r}") from None
+
+    # --- server thread -----------------------------------------------------------------------
+
+    def _serve(self) -> None:
+        while not self._stopping.is_set():
+            try:
+                ready = self._selector.select(timeout=1.0)
+            except Exception:
+                self._unexpected("select failed")
+                continue
+            for key, _ in ready:
+                sock = key.fileobj
+                try:
+                    if sock is self._listener:
+                        self._accept()
+                    elif sock is self._wake_r:
+                        self._drain_wakeup()
+                    else:
+                        self._read(key.data)
+                except Exception:
+                    self._unexpected("connection handling failed")
+                    if key.data is not None:
+                        self._close(key.data)
+
+    def _drain_wakeup(self) -> None:
+        try:
+            self._wake_r.recv(64)
+        except BlockingIOError:
+            pass
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                sock, _ = self._listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:      # EMFILE and friends: log, keep serving the others
+                self._unexpected(f"accept failed: {exc}", exc_info=False)
+                return
+            if len(self._conns) >= self._max_connections:
+                self.refused_total += 1
+                log.warning("refusing connection: %d connections open", len(self._conns))
+                sock.close()
+                continue
+            pid, _uid, _gid = _PEERCRED.unpack(
+                sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
+            sock.setblocking(False)
+            conn = _Conn(sock, pid)
+            self._conns[sock.fileno()] = conn
+            self._selector.register(sock, selectors.EVENT_READ, conn)
+
+    def _read(self, conn: _Conn) -> None:
+        for _ in range(_READS_PER_TURN):
+            try:
+                data = conn.sock.recv(_CHUNK)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:             # ECONNRESET etc.: same as a close
+                data = b""
+            if not data:
+                if conn.reader.pending():
+                    self._reject(events.REJECT_TRUNCATED)
+                self._close(conn)
+                return
+            try:
+                payloads = conn.reader.feed(data)
+            except events.EventError as exc:
+                # A bad length: the rest of the stream cannot be framed any more.
+                self._reject(exc.reason)
+                self._close(conn)
+                return
+            for payload in payloads:
+                self._deliver(conn, payload)
+            if len(data) < _CHUNK:
+                return
+
+    def _deliver(self, conn: _Conn, payload: bytes) -> None:
+        try:
+            event = events.decode(payload)
+        except events.EventError as exc:
+            self._reject(exc.reason)
+            return
+        if event["pid"] != conn.pid:
+            self._reject(events.REJECT_PID_MISMATCH)
+            return
+        try:
+            self._on_event(event)
+        except Exception:
+            self._unexpected("on_event callback failed")
+
+    def _reject(self, reason: str) -> None:
+        try:
+            self._on_reject(reason)
+        except Exception:
+            self._unexpected("on_reject callback failed")
+
+    def _close(self, conn: _Conn) -> None:
+        self._conns.pop(conn.sock.fileno(), None)
+        try:
+            self._selector.unregister(conn.sock)
+        except (KeyError, ValueError):
+            pass
+        conn.sock.close()
+
+    def _unexpected(self, what: str, exc_info: bool = True) -> None:
+        self.errors_total += 1
+        log.error("ingest: %s", what, exc_info=exc_info)

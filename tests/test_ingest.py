@@ -1,0 +1,259 @@
+"""monitor.ingest with real Unix sockets: delivery, every reject reason, isolation, socket path."""
+import os
+import random
+import socket
+import stat
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from helpers import wait_for
+from monitor import events
+from monitor.ingest import AgentAlreadyRunning, IngestError, IngestServer
+
+
+def start_event(pid=None, seq=1, path="/ckpt/last.pt", **extra):
+    now_wall, now_mono = time.time(), time.monotonic()
+    ev = {"v": 1, "type": "start", "node": "n1", "pid": os.getpid() if pid is None else pid,
+          "seq": seq, "rank": 0, "path": path, "site": "train.py:10", "func": "save",
+          "wall": now_wall, "mono": now_mono}
+    ev.update(extra)
+    return ev
+
+
+class Recorder:
+    def __init__(self):
+        self.events, self.rejects = [], []
+        self.lock = threading.Lock()
+
+    def on_event(self, event):
+        with self.lock:
+            self.events.append(event)
+
+    def on_reject(self, reason):
+        with self.lock:
+            self.rejects.append(reason)
+
+
+@pytest.fixture
+def server(sockdir, no_thread_leak):
+    rec = Recorder()
+    srv = IngestServer(os.path.join(sockdir, "sub", "agent.sock"), rec.on_event, rec.on_reject)
+    srv.start()
+    srv.rec = rec
+    yield srv
+    srv.stop()
+
+
+def connect(path):
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect(path)
+    return sock
+
+
+def test_valid_events_delivered_in_order(server):
+    with connect(server.path) as sock:
+        sock.sendall(b"".join(events.encode(start_event(seq=i)) for i in range(500)))
+        wait_for(lambda: len(server.rec.events) == 500)
+    assert [e["seq"] for e in server.rec.events] == list(range(500))
+    assert server.rec.rejects == []
+
+
+def test_socket_dir_created_and_mode_0660(server):
+    st = os.stat(server.path)
+    assert stat.S_ISSOCK(st.st_mode)
+    assert stat.S_IMODE(st.st_mode) == 0o660
+
+
+def test_socket_mode_and_group_configurable(sockdir, no_thread_leak):
+    path = os.path.join(sockdir, "a.sock")
+    srv = IngestServer(path, lambda e: None, lambda r: None, socket_mode=0o600,
+                       socket_group=os.getgid())
+    srv.start()
+    try:
+        st = os.stat(path)
+        assert stat.S_IMODE(st.st_mode) == 0o600
+        assert st.st_gid == os.getgid()
+    finally:
+        srv.stop()
+
+
+def frame(payload: bytes) -> bytes:
+    return events.HEADER.pack(len(payload)) + payload
+
+
+BAD_INPUTS = {
+    "malformed": frame(b"\xff\xfe not json"),
+    "unknown_version": events.encode({**start_event(), "v": 99}),
+    "incomplete": events.encode({k: v for k, v in start_event().items() if k != "path"}),
+    "pid_mismatch": events.encode(start_event(pid=1)),
+}
+
+
+@pytest.mark.parametrize("reason", sorted(BAD_INPUTS))
+def test_bad_frame_rejected_connection_keeps_working(server, reason):
+    with connect(server.path) as sock:
+        sock.sendall(BAD_INPUTS[reason] + events.encode(start_event(seq=7)))
+        wait_for(lambda: server.rec.events)
+    assert server.rec.rejects == [reason]
+    assert [e["seq"] for e in server.rec.events] == [7]
+
+
+def test_random_bytes_rejected(server):
+    rng = random.Random(1)
+    with connect(server.path) as sock:
+        # A small length header followed by junk: decodes as a malformed frame.
+        sock.sendall(frame(bytes(rng.randrange(256) for _ in range(300))))
+        wait_for(lambda: server.rec.rejects)
+    assert server.rec.rejects == ["malformed"]
+
+
+def test_oversized_frame_rejected_and_connection_closed(server):
+    with connect(server.path) as sock:
+        sock.sendall(events.HEADER.pack(events.MAX_FRAME_BYTES + 1) + b"x" * 100)
+        wait_for(lambda: server.rec.rejects)
+        sock.settimeout(5)
+        assert sock.recv(1) == b""          # the agent closed the unframeable stream
+    assert server.rec.rejects == ["oversized"]
+    wait_for(lambda: server.connections == 0)
+
+
+def test_truncated_frame_at_eof(server):
+    data = events.encode(start_event())
+    with connect(server.path) as sock:
+        sock.sendall(data[:-5])
+    wait_for(lambda: server.rec.rejects)
+    assert server.rec.rejects == ["truncated"]
+    assert server.rec.events == []
+
+
+def test_good_client_unaffected_by_bad_one(server):
+    good, bad = connect(server.path), connect(server.path)
+    try:
+        wait_for(lambda: server.connections == 2)
+        rng = random.Random(2)
+        good.sendall(events.encode(start_event(seq=1)))
+        for _ in range(20):
+            bad.sendall(frame(bytes(rng.randrange(256) for _ in range(50))))
+        good.sendall(events.encode(start_event(seq=2)))
+        bad.sendall(events.HEADER.pack(10 ** 9))       # oversized: bad gets disconnected
+        wait_for(lambda: server.connections == 1)
+        good.sendall(events.encode(start_event(seq=3)))
+        wait_for(lambda: len(server.rec.events) == 3)
+    finally:
+        good.close()
+        bad.close()
+    assert [e["seq"] for e in server.rec.events] == [1, 2, 3]
+    assert server.rec.rejects.count("oversized") == 1
+
+
+SENDER = """
+import os, socket, sys, time
+sys.path.insert(0, {root!r})
+from monitor import events
+s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+s.connect({path!r})
+ev = {{"v": 1, "type": "start", "node": "n", "pid": os.getpid() + int(sys.argv[1]), "seq": 0,
+      "path": "/x", "wall": time.time(), "mono": time.monotonic()}}
+s.sendall(events.encode(ev))
+s.close()
+"""
+
+
+def test_pid_checked_against_peer_credentials_of_other_process(server):
+    code = SENDER.format(root=os.path.dirname(os.path.dirname(os.path.abspath(events.__file__))),
+                         path=server.path)
+    subprocess.run([sys.executable, "-c", code, "0"], check=True, timeout=30)
+    subprocess.run([sys.executable, "-c", code, "1"], check=True, timeout=30)
+    wait_for(lambda: server.rec.events and server.rec.rejects)
+    assert len(server.rec.events) == 1 and server.rec.events[0]["pid"] != os.getpid()
+    assert server.rec.rejects == ["pid_mismatch"]
+
+
+def test_callback_exception_does_not_kill_server(sockdir, no_thread_leak):
+    got = []
+
+    def on_event(event):
+        got.append(event)
+        if len(got) == 1:
+            raise RuntimeError("boom")
+
+    srv = IngestServer(os.path.join(sockdir, "c.sock"), on_event, lambda r: None)
+    srv.start()
+    try:
+        with connect(srv.path) as sock:
+            sock.sendall(events.encode(start_event(seq=1)) + events.encode(start_event(seq=2)))
+            wait_for(lambda: len(got) == 2)
+        assert srv.alive and srv.errors_total == 1
+    finally:
+        srv.stop()
+
+
+def test_stale_socket_replaced(sockdir, no_thread_leak):
+    path = os.path.join(sockdir, "stale.sock")
+    dead = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    dead.bind(path)
+    dead.close()                     # the file stays, nobody listens: what a killed agent leaves
+    rec = Recorder()
+    srv = IngestServer(path, rec.on_event, rec.on_reject)
+    srv.start()
+    try:
+        with connect(path) as sock:
+            sock.sendall(events.encode(start_event()))
+            wait_for(lambda: rec.events)
+    finally:
+        srv.stop()
+    assert not os.path.exists(path)
+
+
+def test_live_agent_is_not_replaced(server):
+    other = IngestServer(server.path, lambda e: None, lambda r: None)
+    with pytest.raises(AgentAlreadyRunning, match="already listening"):
+        other.start()
+    # The running server still owns and serves its socket.
+    with connect(server.path) as sock:
+        sock.sendall(events.encode(start_event()))
+        wait_for(lambda: server.rec.events)
+
+
+def test_non_socket_file_is_never_deleted(sockdir):
+    path = os.path.join(sockdir, "precious")
+    with open(path, "w") as fh:
+        fh.write("data")
+    srv = IngestServer(path, lambda e: None, lambda r: None)
+    with pytest.raises(IngestError, match="not a socket"):
+        srv.start()
+    with open(path) as fh:
+        assert fh.read() == "data"
+
+
+def test_stop_removes_only_our_socket(sockdir, no_thread_leak):
+    path = os.path.join(sockdir, "mine.sock")
+    srv = IngestServer(path, lambda e: None, lambda r: None)
+    srv.start()
+    os.unlink(path)                  # someone replaced the file meanwhile
+    other = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    other.bind(path)
+    try:
+        srv.stop()
+        assert os.path.exists(path)
+    finally:
+        other.close()
+    srv.stop()                       # idempotent
+
+
+def test_stop_closes_connections_and_removes_socket(sockdir, no_thread_leak):
+    path = os.path.join(sockdir, "s.sock")
+    srv = IngestServer(path, lambda e: None, lambda r: None)
+    srv.start()
+    client = connect(path)
+    wait_for(lambda: srv.connections == 1)
+    srv.stop()
+    client.settimeout(5)
+    assert client.recv(1) == b""
+    client.close()
+    assert not os.path.exists(path)
+    assert not srv.alive
