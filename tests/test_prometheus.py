@@ -1,0 +1,357 @@
+"""exporters/prometheus.py: every metric from a fresh registry, a real HTTP server, promtool."""
+from __future__ import annotations
+
+import shutil
+import subprocess
+import threading
+import urllib.error
+import urllib.request
+
+import pytest
+from prometheus_client import CollectorRegistry
+from prometheus_client.parser import text_string_to_metric_families
+
+from exporters.prometheus import (DURATION_BUCKETS, MetricsServer, MetricsState,
+                                  build_registry, parse_listen_address)
+from monitor.events import REJECT_REASONS
+from monitor.model import KIND_CONCURRENT, KIND_REDUNDANT, Collision, Write, Writer
+from monitor.version import __version__
+
+PATH = "/data/run-7/checkpoints/last.pt"
+
+
+def write(pid=100, rank=0, job="job-a", start=10.0, duration=0.5, nbytes=1000,
+          outcome="ok", path=PATH, wall=1_700_000_000.0):
+    writer = Writer(node="node-a", pid=pid, rank=rank, job=job)
+    return Write(writer=writer, path=path, seq=1, start_wall=wall + start, start_mono=start,
+                 end_wall=wall + start + duration, end_mono=start + duration, bytes=nbytes,
+                 outcome=outcome, site="train.py:42", func="save")
+
+
+def collision(kind=KIND_CONCURRENT, job="job-a", detected=1_700_000_100.0):
+    writes = (write(pid=100, rank=0, job=job), write(pid=101, rank=1, job=job, start=10.2))
+    return Collision(path=PATH, kind=kind, writes=writes, detected_wall=detected)
+
+
+@pytest.fixture
+def state():
+    return MetricsState()
+
+
+def value(registry, name, **labels):
+    return registry.get_sample_value(name, labels)
+
+
+def test_writes_bytes_and_duration_by_job_and_rank(state):
+    state.write_finished(write(rank=0, duration=0.5, nbytes=1000))
+    state.write_finished(write(rank=0, duration=2.0, nbytes=3000))
+    state.write_finished(write(rank=None, job=None, duration=0.0005, nbytes=None))
+    reg = build_registry(state)
+    assert value(reg, "ckptwatch_writes_total", job="job-a", rank="0") == 2
+    # Unknown rank and job are exported as empty label values, not dropped.
+    assert value(reg, "ckptwatch_writes_total", job="", rank="") == 1
+    assert value(reg, "ckptwatch_write_bytes_total", job="job-a") == 4000
+    # A write with unknown size counts as a write but adds no bytes.
+    assert value(reg, "ckptwatch_write_bytes_total", job="") is None
+    assert value(reg, "ckptwatch_write_duration_seconds_count", job="job-a") == 2
+    assert value(reg, "ckptwatch_write_duration_seconds_sum", job="job-a") == 2.5
+    assert value(reg, "ckptwatch_write_duration_seconds_bucket", job="job-a", le="0.5") == 1
+    assert value(reg, "ckptwatch_write_duration_seconds_bucket", job="job-a", le="1.0") == 1
+    assert value(reg, "ckptwatch_write_duration_seconds_bucket", job="job-a", le="2.5") == 2
+    assert value(reg, "ckptwatch_write_duration_seconds_bucket", job="job-a", le="+Inf") == 2
+    assert value(reg, "ckptwatch_write_duration_seconds_bucket", job="", le="0.001") == 1
+
+
+def test_duration_buckets_span_a_millisecond_to_ten_minutes(state):
+    assert DURATION_BUCKETS[0] == 0.001 and DURATION_BUCKETS[-1] == 600.0
+    state.write_finished(write(duration=599.0))
+    state.write_finished(write(duration=3600.0))
+    reg = build_registry(state)
+    assert value(reg, "ckptwatch_write_duration_seconds_bucket", job="job-a", le="300.0") == 0
+    assert value(reg, "ckptwatch_write_duration_seconds_bucket", job="job-a", le="600.0") == 1
+    assert value(reg, "ckptwatch_write_duration_seconds_bucket", job="job-a", le="+Inf") == 2
+
+
+def test_failed_writes_are_counted_as_writes_and_errors(state):
+    state.write_finished(write(outcome="OSError"))
+    state.write_finished(write())
+    reg = build_registry(state)
+    assert value(reg, "ckptwatch_writes_total", job="job-a", rank="0") == 2
+    assert value(reg, "ckptwatch_write_errors_total", job="job-a") == 1
+
+
+def test_collisions_by_kind_scope_and_last_timestamp(state):
+    state.collision(collision(detected=1_700_000_100.0))
+    state.collision(collision(detected=1_700_000_300.0))
+    state.collision(collision(kind=KIND_REDUNDANT, detected=1_700_000_200.0))
+    reg = build_registry(state)
+    assert value(reg, "ckptwatch_collisions_total", job="job-a", kind="concurrent",
+                 scope="node") == 2
+    assert value(reg, "ckptwatch_collisions_total", job="job-a", kind="redundant",
+                 scope="node") == 1
+    # The latest, not the last reported (collisions become final out of order).
+    assert value(reg, "ckptwatch_last_collision_timestamp_seconds",
+                 job="job-a") == 1_700_000_300.0
+
+
+def test_collision_between_two_jobs_uses_the_collision_job_label(state):
+    writes = (write(pid=1, job="job-a"), write(pid=2, job="job-b", start=10.1))
+    c = Collision(path=PATH, kind=KIND_CONCURRENT, writes=writes, detected_wall=5.0)
+    state.collision(c)
+    reg = build_registry(state)
+    assert value(reg, "ckptwatch_collisions_total", job=c.job_label, kind="concurrent",
+                 scope="node") == 1
+
+
+def test_ingest_counters_rejects_prepopulated(state):
+    reg = build_registry(state)
+    for reason in REJECT_REASONS:
+        assert value(reg, "ckptwatch_events_rejected_total", reason=reason) == 0
+    assert value(reg, "ckptwatch_events_received_total") == 0
+    assert value(reg, "ckptwatch_client_events_dropped_total") == 0
+    state.event_received()
+    state.event_received(4)
+    state.event_rejected("pid_mismatch")
+    state.event_rejected("malformed", 3)
+    state.client_dropped(7)
+    state.set_ingest_connections(3)
+    assert value(reg, "ckptwatch_events_received_total") == 5
+    assert value(reg, "ckptwatch_events_rejected_total", reason="pid_mismatch") == 1
+    assert value(reg, "ckptwatch_events_rejected_total", reason="malformed") == 3
+    assert value(reg, "ckptwatch_client_events_dropped_total") == 7
+    assert value(reg, "ckptwatch_ingest_connections") == 3
+
+
+def test_gauges_reflect_current_state_only(state):
+    reg = build_registry(state)
+    state.set_active_writes({"job-a": 3, "job-b": 1})
+    assert value(reg, "ckptwatch_active_writes", job="job-a") == 3
+    state.set_active_writes({"job-b": 2})
+    # Built fresh on every scrape: a job with no writes in flight disappears.
+    assert value(reg, "ckptwatch_active_writes", job="job-a") is None
+    assert value(reg, "ckptwatch_active_writes", job="job-b") == 2
+    state.set_detector_stats(tracked_paths=12, evicted_paths_total=4)
+    state.journal_error()
+    state.journal_error(2)
+    assert value(reg, "ckptwatch_tracked_paths") == 12
+    assert value(reg, "ckptwatch_tracked_paths_evicted_total") == 4
+    assert value(reg, "ckptwatch_journal_errors_total") == 3
+
+
+def test_build_info_and_process_metrics(state):
+    reg = build_registry(state)
+    assert value(reg, "ckptwatch_build_info", version=__version__) == 1
+    assert value(reg, "process_resident_memory_bytes") > 0
+    # Deliberately not registered (see build_registry).
+    assert value(reg, "python_info", implementation="CPython") is None
+
+
+def test_snapshot_is_immutable_and_detached(state):
+    state.write_finished(write())
+    snap = state.snapshot()
+    state.write_finished(write())
+    assert snap.writes[("job-a", "0")] == 1
+    with pytest.raises(TypeError):
+        snap.writes[("job-a", "0")] = 5  # type: ignore[index]
+
+
+def test_concurrent_updates_are_not_lost(state):
+    def work():
+        for _ in range(2000):
+            state.event_received()
+            state.write_finished(write())
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    reg = build_registry(state)
+    assert value(reg, "ckptwatch_events_received_total") == 8000
+    assert value(reg, "ckptwatch_writes_total", job="job-a", rank="0") == 8000
+    assert value(reg, "ckptwatch_write_duration_seconds_count", job="job-a") == 8000
+
+
+def test_registries_are_independent():
+    a, b = MetricsState(), MetricsState()
+    a.event_received(2)
+    assert value(build_registry(a), "ckptwatch_events_received_total") == 2
+    assert value(build_registry(b), "ckptwatch_events_received_total") == 0
+    assert isinstance(build_registry(b), CollectorRegistry)
+
+
+def test_no_label_value_holds_a_path(state):
+    paths = [f"/data/job/ckpt-{i}.pt" for i in range(3)]
+    for i, p in enumerate(paths):
+        state.write_finished(write(path=p, rank=i))
+        state.collision(Collision(path=p, kind=KIND_CONCURRENT,
+                                  writes=(write(path=p), write(path=p, pid=2, start=10.1))))
+    for family in build_registry(state).collect():
+        for sample in family.samples:
+            for label, text in sample.labels.items():
+                assert "/" not in text, (sample.name, label, text)
+                assert all(p not in text for p in paths)
+
+
+# --- listen addresses ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("text,expected", [
+    (":19400", ("", 19400)),
+    ("127.0.0.1:19400", ("127.0.0.1", 19400)),
+    ("[::1]:19400", ("::1", 19400)),
+    ("localhost:0", ("localhost", 0)),
+    ("0.0.0.0:65535", ("0.0.0.0", 65535)),
+])
+def test_parse_listen_address(text, expected):
+    assert parse_listen_address(text) == expected
+
+
+@pytest.mark.parametrize("text,fragment", [
+    ("", "empty"),
+    ("19400", "missing port"),
+    ("host:", "not a number"),
+    ("host:http", "not a number"),
+    (":70000", "out of range"),
+    ("::1:19400", "brackets"),
+    ("[::1:19400", "missing ']'"),
+    ("[::1]19400", "':port'"),
+    ("[nothost]:1", "not an IPv6"),
+    (":-1", "not a number"),
+])
+def test_parse_listen_address_errors_are_clear(text, fragment):
+    with pytest.raises(ValueError, match=None) as err:
+        parse_listen_address(text)
+    assert fragment in str(err.value)
+
+
+def test_server_rejects_bad_address_before_start():
+    with pytest.raises(ValueError):
+        MetricsServer("nope", CollectorRegistry())
+
+
+# --- real HTTP server ---------------------------------------------------------------------
+
+def get(url, accept=None):
+    req = urllib.request.Request(url, headers={"Accept": accept} if accept else {})
+    try:
+        with urllib.request.urlopen(req, timeout=5) as resp:
+            return resp.status, resp.headers.get("Content-Type"), resp.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.headers.get("Content-Type"), exc.read().decode()
+
+
+@pytest.fixture
+def fed_state(state):
+    state.event_received(10)
+    state.event_rejected("truncated")
+    state.write_finished(write(rank=0))
+    state.write_finished(write(rank=1, pid=101))
+    state.set_active_writes({"job-a": 1})
+    state.collision(collision())
+    return state
+
+
+@pytest.fixture
+def server(fed_state, no_thread_leak):
+    health = {"ok": True, "reason": ""}
+    srv = MetricsServer("127.0.0.1:0", build_registry(fed_state),
+                        health=lambda: (health["ok"], health["reason"]))
+    srv.start()
+    srv.health_state = health
+    yield srv
+    srv.stop()
+
+
+def test_server_scrape_matches_state(server):
+    status, ctype, body = get(f"http://127.0.0.1:{server.port}/metrics")
+    assert status == 200 and ctype.startswith("text/plain")
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for f in text_string_to_metric_families(body) for s in f.samples}
+    key = ("ckptwatch_collisions_total",
+           (("job", "job-a"), ("kind", "concurrent"), ("scope", "node")))
+    assert samples[key] == 1
+    assert samples[("ckptwatch_writes_total", (("job", "job-a"), ("rank", "1")))] == 1
+    assert samples[("ckptwatch_events_rejected_total", (("reason", "truncated"),))] == 1
+    assert PATH not in body
+
+
+def test_server_speaks_openmetrics_when_asked(server):
+    status, ctype, body = get(f"http://127.0.0.1:{server.port}/metrics",
+                              accept="application/openmetrics-text; version=1.0.0")
+    assert status == 200 and ctype.startswith("application/openmetrics-text")
+    assert body.rstrip().endswith("# EOF")
+
+
+def test_healthz_ok_and_unhealthy(server):
+    assert get(f"http://127.0.0.1:{server.port}/healthz")[::2] == (200, "ok\n")
+    server.health_state.update(ok=False, reason="ingest socket is gone")
+    status, _, body = get(f"http://127.0.0.1:{server.port}/healthz")
+    assert status == 503 and "ingest socket is gone" in body
+
+
+def test_healthz_that_raises_is_unhealthy_not_fatal(fed_state, no_thread_leak):
+    def broken():
+        raise RuntimeError("boom")
+
+    srv = MetricsServer("127.0.0.1:0", build_registry(fed_state), health=broken)
+    srv.start()
+    try:
+        status, _, body = get(f"http://127.0.0.1:{srv.port}/healthz")
+        assert status == 503 and "boom" in body
+        # The server keeps serving after a failing health check.
+        assert get(f"http://127.0.0.1:{srv.port}/metrics")[0] == 200
+    finally:
+        srv.stop()
+
+
+def test_unknown_path_is_404(server):
+    assert get(f"http://127.0.0.1:{server.port}/")[0] == 404
+    assert get(f"http://127.0.0.1:{server.port}/metrics/x")[0] == 404
+
+
+def test_start_stop_idempotent_and_port_freed(fed_state, no_thread_leak):
+    srv = MetricsServer("127.0.0.1:0", build_registry(fed_state))
+    assert srv.port is None
+    srv.start()
+    port = srv.port
+    srv.start()
+    assert srv.port == port and port > 0
+    srv.stop()
+    srv.stop()
+    with pytest.raises(urllib.error.URLError):
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2)
+
+
+def test_ipv6_loopback_and_all_interfaces(fed_state, no_thread_leak):
+    srv = MetricsServer(":0", build_registry(fed_state))
+    srv.start()
+    try:
+        assert get(f"http://127.0.0.1:{srv.port}/healthz")[0] == 200
+        try:
+            v6 = MetricsServer("[::1]:0", build_registry(fed_state))
+            v6.start()
+        except OSError:
+            pytest.skip("IPv6 loopback unavailable")
+        try:
+            assert get(f"http://[::1]:{v6.port}/healthz")[0] == 200
+        finally:
+            v6.stop()
+    finally:
+        srv.stop()
+
+
+def test_port_in_use_raises_oserror(server, fed_state):
+    other = MetricsServer(f"127.0.0.1:{server.port}", build_registry(fed_state))
+    with pytest.raises(OSError):
+        other.start()
+    other.stop()
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool not installed")
+def test_real_scrape_passes_promtool_check_metrics(server):
+    _, _, body = get(f"http://127.0.0.1:{server.port}/metrics")
+    result = subprocess.run(["promtool", "check", "metrics"], input=body, text=True,
+                            capture_output=True, timeout=30)
+    assert result.returncode == 0, result.stdout + result.stderr
+    # promtool prints lint findings even with exit code 0 on some versions.
+    assert result.stdout.strip() == "" and result.stderr.strip() == "", result
