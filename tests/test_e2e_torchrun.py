@@ -1,0 +1,153 @@
+"""End to end: a real agent process and real torchrun jobs (gloo, CPU) under `ckptwatch run`.
+
+One agent serves every job of this module; each job gets its own CKPTWATCH_JOB so the metric
+and journal assertions of one job are not disturbed by another.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+
+from agentproc import start_agent
+from helpers import REPO_ROOT, remove_tree, short_tmpdir, wait_for
+
+torch = pytest.importorskip("torch")
+
+NPROC = 4
+SETTLE = 0.5
+
+
+def settle() -> None:
+    """Proving an absence needs a wait: several times the agent's settle time, after which a
+    collision, had there been one, would have been final and journaled."""
+    time.sleep(SETTLE * 4)
+
+
+@pytest.fixture(scope="module")
+def agent():
+    workdir = short_tmpdir("cwe")
+    with start_agent(workdir, "--collision.settle", str(SETTLE)) as proc:
+        yield proc
+    remove_tree(workdir)
+
+
+def run_job(agent, mode: str, *, nproc: int = NPROC, extra_env=None, extra_args=()) -> tuple[str, str]:
+    """Run monitor.demo_job under `ckptwatch run` (the real CLI); return (job id, out dir)."""
+    job = f"e2e-{mode}-{uuid.uuid4().hex[:8]}"
+    out = os.path.join(short_tmpdir("cwo"), "ckpt")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CKPTWATCH_")}
+    env.update({"CKPTWATCH_JOB": job, "OMP_NUM_THREADS": "1"}, **(extra_env or {}))
+    cmd = [sys.executable, "-m", "monitor.cli", "run", "--socket", agent.socket, "--",
+           sys.executable, "-m", "torch.distributed.run", "--standalone",
+           "--nproc-per-node", str(nproc), "-m", "monitor.demo_job", "--out", out,
+           "--save", mode, *extra_args]
+    result = subprocess.run(cmd, env=env, cwd=REPO_ROOT, capture_output=True, text=True,
+                            timeout=240)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    return job, out
+
+
+def writes_of(agent, job: str) -> list[dict]:
+    return [r for r in agent.journal_records() if r.get("type") == "write" and r.get("job") == job]
+
+
+def collisions_of(agent, job: str) -> list[dict]:
+    return [r for r in agent.journal_records()
+            if r.get("type") == "collision" and r.get("job") == job]
+
+
+def test_every_rank_saving_one_path_is_one_concurrent_collision_naming_all_ranks(agent):
+    job, out = run_job(agent, "every-rank")
+    path = os.path.join(out, "last.pt")
+    wait_for(lambda: len(writes_of(agent, job)) == NPROC, timeout=30, message="4 write records")
+    found = wait_for(lambda: collisions_of(agent, job), timeout=30, message="collision record")
+    assert len(found) == 1, found
+    c = found[0]
+    assert c["path"] == path and c["kind"] == "concurrent" and c["scope"] == "node"
+    assert sorted(w["rank"] for w in c["writers"]) == [0, 1, 2, 3]
+    assert len({w["pid"] for w in c["writers"]}) == NPROC
+    # The call site is the user's line in demo_job.py, not torch's or ours.
+    assert all(w["site"].startswith(os.path.join(REPO_ROOT, "monitor", "demo_job.py") + ":")
+               for w in c["writers"]), [w["site"] for w in c["writers"]]
+    assert all(w["func"] == "save_checkpoint" for w in c["writers"])
+    assert c["first"]["rank"] in (0, 1, 2, 3) and c["last"]["rank"] in (0, 1, 2, 3)
+
+    # Prometheus: one concurrent collision for this job, four finished writes by four ranks.
+    assert agent.metric("ckptwatch_collisions_total", job=job, kind="concurrent",
+                        scope="node") == 1
+    for rank in range(NPROC):
+        assert agent.metric("ckptwatch_writes_total", job=job, rank=str(rank)) == 1
+    assert agent.metric("ckptwatch_last_collision_timestamp_seconds", job=job) > 0
+
+    # The human report names every rank, the call site and the fix.
+    report = subprocess.run([sys.executable, "-m", "monitor.cli", "report", "--journal",
+                             agent.journal], capture_output=True, text=True, cwd=REPO_ROOT)
+    assert report.returncode == 0, report.stderr
+    for rank in range(NPROC):
+        assert f"rank{rank}@" in report.stdout
+    assert "demo_job.py:" in report.stdout
+    assert "rank" in report.stdout.lower() and "0" in report.stdout
+    assert all(len(line) <= 80 for line in report.stdout.splitlines()), report.stdout
+    as_json = subprocess.run([sys.executable, "-m", "monitor.cli", "report", "--journal",
+                              agent.journal, "--format", "json"], capture_output=True,
+                             text=True, cwd=REPO_ROOT)
+    assert as_json.returncode == 0
+    assert path in as_json.stdout and json.loads(as_json.stdout)
+
+
+def test_global_rank0_guard_is_not_a_collision(agent):
+    job, out = run_job(agent, "rank0")
+    wait_for(lambda: len(writes_of(agent, job)) == 1, timeout=30, message="1 write record")
+    w = writes_of(agent, job)[0]
+    assert w["rank"] == 0 and w["path"] == os.path.join(out, "last.pt")
+    assert w["outcome"] == "ok" and w["bytes"] == os.path.getsize(w["path"])
+    # Give the detector longer than its settle time to (wrongly) report anything.
+    settle()
+    assert collisions_of(agent, job) == []
+    assert not agent.metric("ckptwatch_collisions_total", job=job, kind="concurrent",
+                            scope="node")
+    torch.load(w["path"], weights_only=False)  # and the file is sound
+
+
+def test_each_rank_its_own_path_is_not_a_collision(agent):
+    job, out = run_job(agent, "per-rank")
+    wait_for(lambda: len(writes_of(agent, job)) == NPROC, timeout=30, message="4 write records")
+    paths = {w["path"] for w in writes_of(agent, job)}
+    assert paths == {os.path.join(out, f"last-rank{r}.pt") for r in range(NPROC)}
+    settle()
+    assert collisions_of(agent, job) == []
+
+
+def test_two_nodes_with_local_rank0_guard_collide_on_shared_storage(agent):
+    """Variant 2 of design.md: `local_rank == 0` guards one writer per node; two simulated
+    nodes (two torchrun invocations, --nnodes 2, loopback master) share the directory."""
+    job = f"e2e-2node-{uuid.uuid4().hex[:8]}"
+    out = os.path.join(short_tmpdir("cwo"), "ckpt")
+    from helpers import free_port
+    port = free_port()
+    procs = []
+    for node_rank, node in enumerate(("node-a", "node-b")):
+        env = {k: v for k, v in os.environ.items() if not k.startswith("CKPTWATCH_")}
+        env.update({"CKPTWATCH_JOB": job, "CKPTWATCH_NODE": node, "OMP_NUM_THREADS": "1"})
+        cmd = [sys.executable, "-m", "monitor.cli", "run", "--socket", agent.socket, "--",
+               sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
+               "--node-rank", str(node_rank), "--nproc-per-node", "2",
+               "--master-addr", "127.0.0.1", "--master-port", str(port),
+               "-m", "monitor.demo_job", "--out", out, "--save", "local-rank0"]
+        procs.append(subprocess.Popen(cmd, env=env, cwd=REPO_ROOT, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True))
+    for p in procs:
+        output, _ = p.communicate(timeout=240)
+        assert p.returncode == 0, output[-3000:]
+    wait_for(lambda: len(writes_of(agent, job)) == 2, timeout=30, message="2 write records")
+    found = wait_for(lambda: collisions_of(agent, job), timeout=30, message="collision")
+    c = found[0]
+    assert {(w["node"], w["rank"], w["local_rank"]) for w in c["writers"]} == {
+        ("node-a", 0, 0), ("node-b", 2, 0)}
+    assert c["kind"] == "concurrent"
