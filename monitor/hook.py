@@ -1,0 +1,282 @@
+"""The torch.save patch: report every checkpoint write as a start and an end event.
+
+Loaded into training processes: standard library only, and torch only once the process has
+imported it itself.
+
+install() replaces `torch.save` and `torch.serialization.save` (one function object, so one
+wrapper) with a wrapper that carries the original in `__ckptwatch_original__`. The wrapper is
+invisible to the caller: it passes the untouched arguments to the original, returns its value
+and re-raises the very same exception object. Our own work sits in try/except and is counted in
+stats(), never raised.
+
+What is reported:
+- str / bytes / os.PathLike targets: the absolute path (bytes decoded with os.fsdecode).
+- A file object whose `name` is a string path and that has a working fileno() (a real open file):
+  that path, absolutised. Only the FIRST save into a given open file object is reported;
+  torch.distributed.checkpoint calls torch.save once per tensor into one open shard file, and
+  that is one write, not thousands. Later saves into the same object are counted as coalesced.
+  The user's file is never flushed; its size is read with f.tell().
+- io.BytesIO and other objects without a usable name or file descriptor are not file writes and
+  are not reported (counted as unreported).
+
+Choices and limits:
+- install() never imports torch. If torch is not imported yet it arranges (through the
+  bootstrap's post-import hook) for the patch to happen as soon as torch is imported, and
+  returns False; importing torch ourselves would make every Python process that merely imports
+  monitor pay for torch. So `import monitor; monitor.install(); import torch` works.
+- A name bound before the patch keeps the original: `from torch import save` executed before
+  install() (or before torch was imported under the bootstrap hook's watch) is not reported.
+  Patch early — `ckptwatch run` patches right after torch finishes importing — and rely on the
+  agent's filesystem watcher as the backstop.
+- uninstall() restores an attribute only if it still holds our wrapper; a wrapper somebody else
+  installed on top of ours is left alone, and our wrapper inside it goes quiet (it checks an
+  active flag), so nothing is reported twice after a later install().
+- Nested calls (our wrapper reached again inside a save, e.g. through a third-party wrapper
+  around ours) report only once: the inner call passes straight through.
+- CKPTWATCH_DISABLE=1 makes install() a no-op. CKPTWATCH_POLICY: only `observe` (the default)
+  is implemented; `warn` and `atomic` are accepted and treated as `observe` for now (see
+  policy()), so setting them never breaks a job.
+"""
+from __future__ import annotations
+
+import functools
+import itertools
+import os
+import sys
+import threading
+import time
+import weakref
+
+from monitor import emitter as _emitter_mod
+from monitor import paths
+from monitor.events import SCHEMA_VERSION
+from monitor.identity import identity
+
+MARKER = "__ckptwatch_original__"
+POLICY_ENV = "CKPTWATCH_POLICY"
+POLICIES = ("observe", "warn", "atomic")
+IMPLEMENTED_POLICIES = ("observe",)
+
+_MONITOR_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_TARGETS = (("torch", "save"), ("torch.serialization", "save"))
+
+_active = False
+_install_lock = threading.Lock()
+_local = threading.local()
+_seq = itertools.count(1)
+_reported_files: "weakref.WeakSet" = weakref.WeakSet()
+_reported_ids: set = set()        # (id, fileno) for file objects that refuse weak references
+_wrappers: list = []              # every wrapper we made: the marker alone is not proof, since
+                                  # functools.wraps on someone else's wrapper copies it
+_internal_code: dict = {}         # code object -> True if it belongs to torch or monitor
+_torch_dir: str | None = None
+_counters = {"reported": 0, "coalesced": 0, "unreported": 0, "errors": 0}
+
+
+def policy(environ=None) -> str:
+    """The effective policy. warn/atomic are not implemented yet and act as observe."""
+    env = os.environ if environ is None else environ
+    requested = env.get(POLICY_ENV, "observe").strip().lower() or "observe"
+    return requested if requested in IMPLEMENTED_POLICIES else "observe"
+
+
+def stats() -> dict:
+    """Counters: reported saves, coalesced saves, unreported (not a file) saves, errors."""
+    return dict(_counters)
+
+
+# ---- install / uninstall --------------------------------------------------------------------
+
+def _is_ours(func) -> bool:
+    return any(func is wrapper for wrapper in _wrappers)
+
+
+def _make_wrapper(original):
+    @functools.wraps(original)
+    def save(*args, **kwargs):
+        if not _active or getattr(_local, "busy", False):
+            return original(*args, **kwargs)
+        try:
+            pending = _begin(args, kwargs)
+        except Exception:
+            _counters["errors"] += 1
+            pending = None
+        if pending is None:
+            return original(*args, **kwargs)
+        _local.busy = True
+        try:
+            result = original(*args, **kwargs)
+        except BaseException as exc:
+            _local.busy = False
+            _finish(pending, type(exc).__name__)
+            raise
+        _local.busy = False
+        _finish(pending, "ok")
+        return result
+
+    setattr(save, MARKER, original)
+    _wrappers.append(save)
+    return save
+
+
+def _wrapper_for(original):
+    for wrapper in _wrappers:
+        if getattr(wrapper, MARKER) is original:
+            return wrapper
+    return _make_wrapper(original)
+
+
+def is_installed() -> bool:
+    """True if torch is imported and torch.save or torch.serialization.save is our wrapper."""
+    if not _active:
+        return False
+    for module_name, attr in _TARGETS:
+        module = sys.modules.get(module_name)
+        if module is not None and _is_ours(getattr(module, attr, None)):
+            return True
+    return False
+
+
+def install() -> bool:
+    """Patch torch.save now; True if this call patched something.
+
+    False when disabled (CKPTWATCH_DISABLE), when already installed, or when torch is not
+    imported yet — then the patch is applied by the post-import hook as soon as it is.
+    """
+    global _active, _torch_dir
+    if paths.disabled():
+        return False
+    torch = sys.modules.get("torch")
+    serialization = sys.modules.get("torch.serialization")
+    if torch is None or serialization is None or not callable(getattr(torch, "save", None)):
+        from monitor import bootstrap
+        bootstrap.watch_torch_import()
+        return False
+    with _install_lock:
+        policy()  # read once so a bad value shows up here, not on the save path
+        _torch_dir = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+        patched = False
+        for module, attr in ((torch, "save"), (serialization, "save")):
+            current = getattr(module, attr, None)
+            if current is None or _is_ours(current):
+                continue
+            # torch.save is torch.serialization.save: both get the same wrapper, and a
+            # re-install after uninstall reuses it, so _wrappers stays small.
+            wrapper = _wrapper_for(current)
+            setattr(module, attr, wrapper)
+            patched = True
+        was_active, _active = _active, True
+        return patched or not was_active
+
+
+def uninstall() -> bool:
+    """Restore the original where the attribute is still our wrapper. True if any was restored."""
+    global _active
+    with _install_lock:
+        _active = False
+        restored = False
+        for module_name, attr in _TARGETS:
+            module = sys.modules.get(module_name)
+            current = getattr(module, attr, None) if module is not None else None
+            if current is not None and _is_ours(current):
+                setattr(module, attr, getattr(current, MARKER))
+                restored = True
+        return restored
+
+
+# ---- the save path --------------------------------------------------------------------------
+
+def _target_path(f):
+    """(absolute path, file object or None), or None if this save is not reported."""
+    if isinstance(f, str):
+        return os.path.abspath(f), None
+    if isinstance(f, bytes):
+        return os.path.abspath(os.fsdecode(f)), None
+    if isinstance(f, os.PathLike):
+        return os.path.abspath(os.fsdecode(os.fspath(f))), None
+    name = getattr(f, "name", None)
+    if not isinstance(name, str) or not name or name.startswith("<"):
+        return None
+    try:
+        fileno = f.fileno()
+    except Exception:
+        return None   # not backed by a real file (e.g. a zip member, a remote file object)
+    if _already_reported(f, fileno):
+        _counters["coalesced"] += 1
+        return False
+    return os.path.abspath(name), f
+
+
+def _already_reported(f, fileno: int) -> bool:
+    try:
+        if f in _reported_files:
+            return True
+        _reported_files.add(f)
+        return False
+    except TypeError:
+        key = (id(f), fileno)
+        if key in _reported_ids:
+            return True
+        _reported_ids.add(key)
+        return False
+
+
+def _call_site(frame):
+    """("file:line", function) of the first frame outside torch and monitor."""
+    internal = _internal_code
+    torch_dir = _torch_dir or "\0"
+    while frame is not None:
+        code = frame.f_code
+        skip = internal.get(code)
+        if skip is None:
+            filename = code.co_filename
+            skip = filename.startswith(_MONITOR_DIR) or filename.startswith(torch_dir)
+            if len(internal) < 4096:
+                internal[code] = skip
+        if not skip:
+            return f"{code.co_filename}:{frame.f_lineno}", code.co_name
+        frame = frame.f_back
+    return None, None
+
+
+def _begin(args, kwargs):
+    f = args[1] if len(args) > 1 else kwargs.get("f")
+    target = _target_path(f)
+    if not target:
+        if target is None:
+            _counters["unreported"] += 1
+        return None
+    path, fileobj = target
+    site, func = _call_site(sys._getframe(2))
+    event = {"v": SCHEMA_VERSION, "type": "start", **identity(), "seq": next(_seq),
+             "path": path, "site": site, "func": func,
+             "wall": time.time(), "mono": time.monotonic()}
+    _emitter_mod.get_emitter().emit(event)
+    _counters["reported"] += 1
+    return event, fileobj
+
+
+def _finish(pending, outcome: str) -> None:
+    try:
+        start, fileobj = pending
+        if fileobj is None:
+            try:
+                size = os.stat(start["path"]).st_size
+            except OSError:
+                size = None
+        else:
+            try:
+                size = fileobj.tell()
+            except Exception:
+                size = None
+        end = dict(start)
+        end["type"] = "end"
+        end["start_wall"] = start["wall"]
+        end["start_mono"] = start["mono"]
+        end["wall"] = time.time()
+        end["mono"] = time.monotonic()
+        end["bytes"] = size if isinstance(size, int) else None
+        end["outcome"] = outcome
+        _emitter_mod.get_emitter().emit(end)
+    except Exception:
+        _counters["errors"] += 1

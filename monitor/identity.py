@@ -1,0 +1,106 @@
+"""Who is this process: node, pid, rank, job — read from the launcher's environment.
+
+Loaded into training processes: standard library only. torch.distributed is consulted only when
+the launcher set no rank variables, and only if torch is already imported (never imported here).
+
+The result is cached per process (environment variables of a launched worker do not change) and
+reset after fork, because a forked child has a new pid.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import sys
+
+NODE_ENV = "CKPTWATCH_NODE"
+JOB_ENV = "CKPTWATCH_JOB"
+
+# Each field: environment variables in priority order (torchrun/torchelastic, SLURM, Open MPI).
+# torchrun is checked first because a torchrun inside a SLURM allocation sets both, and its
+# values describe the worker while SLURM's describe the launcher task.
+_INT_FIELDS = {
+    "rank": ("RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK"),
+    "local_rank": ("LOCAL_RANK", "SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK"),
+    "world_size": ("WORLD_SIZE", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE"),
+    "local_world_size": ("LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE"),
+    "node_rank": ("GROUP_RANK", "SLURM_NODEID", "OMPI_COMM_WORLD_NODE_RANK"),
+    "restart": ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"),
+}
+_JOB_VARS = (JOB_ENV, "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID")
+
+_cached: dict | None = None
+
+
+def _parse_int(text: str | None) -> int | None:
+    if text is None:
+        return None
+    try:
+        return int(text.strip())
+    except ValueError:
+        return None
+
+
+def _first(environ, names) -> str | None:
+    for name in names:
+        value = environ.get(name)
+        if value not in (None, ""):
+            return value
+    return None
+
+
+def from_environ(environ) -> dict:
+    """The identity described by `environ` (pure apart from the host name and pid)."""
+    ident = {
+        "node": environ.get(NODE_ENV) or socket.gethostname(),
+        "pid": os.getpid(),
+    }
+    for field, names in _INT_FIELDS.items():
+        ident[field] = _parse_int(_first(environ, names))
+    ident["job"] = _first(environ, _JOB_VARS)
+    addr, port = environ.get("MASTER_ADDR"), environ.get("MASTER_PORT")
+    ident["master"] = f"{addr}:{port}" if addr and port else None
+    return ident
+
+
+def _distributed_rank() -> tuple[int, int] | None:
+    """(rank, world_size) from an initialised torch.distributed; None if not available.
+
+    Only looks in sys.modules: importing torch.distributed here would cost seconds in a process
+    that never uses it, and the hook must never change what a process imports.
+    """
+    dist = sys.modules.get("torch.distributed")
+    if dist is None:
+        return None
+    try:
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank(), dist.get_world_size()
+    except Exception:
+        return None
+    return None
+
+
+def identity() -> dict:
+    """This process's identity: node, pid, rank, local_rank, world_size, local_world_size,
+    node_rank, job, master, restart. Cached; a rank-less identity asks torch.distributed again
+    on later calls until it is initialised (it is typically initialised after import time)."""
+    global _cached
+    ident = _cached
+    if ident is None:
+        ident = _cached = from_environ(os.environ)
+    if ident["rank"] is None:
+        found = _distributed_rank()
+        if found is not None:
+            ident = dict(ident)
+            ident["rank"], ident["world_size"] = found
+            _cached = ident
+    return ident
+
+
+def reset() -> None:
+    """Forget the cached identity (after fork, or in tests after changing the environment)."""
+    global _cached
+    _cached = None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=reset)

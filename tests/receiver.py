@@ -1,0 +1,158 @@
+"""A small test receiver for hook events: a real Unix stream socket server in one thread.
+
+It speaks the wire contract of monitor/events.py (FrameReader + decode) and records every
+decoded event with the peer's pid from SO_PEERCRED, so tests can see exactly what an agent would.
+
+    with Receiver(path) as rx:
+        ... run something that sends events ...
+        ends = rx.wait_for(lambda evs: [e for e in evs if e["type"] == "end"], message="end")
+"""
+from __future__ import annotations
+
+import os
+import selectors
+import socket
+import struct
+import threading
+
+from helpers import wait_for
+from monitor import events
+
+_PEERCRED = struct.Struct("3i")
+
+
+class Receiver:
+    """Collects events sent to a Unix socket at `path`. start()/stop() may be repeated to
+    simulate an agent restart (stop closes every connection, like a dying agent)."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self._lock = threading.Lock()
+        self._events: list[dict] = []
+        self.rejects: list[str] = []
+        self.peer_pids: list[int] = []     # peer pid of each event, parallel to events
+        self.connections = 0
+        self._thread: threading.Thread | None = None
+        self._listener: socket.socket | None = None
+        self._wake_r = self._wake_w = None
+
+    # ---- lifecycle -------------------------------------------------------------------------
+
+    def start(self) -> "Receiver":
+        if os.path.exists(self.path):
+            os.unlink(self.path)
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(self.path)
+        listener.listen(64)
+        listener.setblocking(False)
+        self._listener = listener
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._thread = threading.Thread(target=self._serve, name="test-receiver", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        if self._thread is None:
+            return
+        self._wake_w.send(b"x")
+        self._thread.join(5)
+        self._thread = None
+        self._wake_w.close()
+        self._wake_r.close()
+        if os.path.exists(self.path):
+            os.unlink(self.path)
+
+    def __enter__(self) -> "Receiver":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    # ---- results ---------------------------------------------------------------------------
+
+    @property
+    def events(self) -> list[dict]:
+        with self._lock:
+            return list(self._events)
+
+    def of_type(self, kind: str) -> list[dict]:
+        return [e for e in self.events if e["type"] == kind]
+
+    def wait_for(self, predicate, timeout: float = 10.0, message: str = ""):
+        """Wait until predicate(events) is truthy; return its value."""
+        return wait_for(lambda: predicate(self.events), timeout=timeout,
+                        message=message or "events")
+
+    def wait_count(self, kind: str, count: int, timeout: float = 10.0) -> list[dict]:
+        """Wait for at least `count` events of type `kind`; return them all."""
+        return self.wait_for(lambda evs: len([e for e in evs if e["type"] == kind]) >= count
+                             and [e for e in evs if e["type"] == kind],
+                             timeout=timeout, message=f"{count} {kind!r} events")
+
+    # ---- server thread ---------------------------------------------------------------------
+
+    def _serve(self) -> None:
+        sel = selectors.DefaultSelector()
+        sel.register(self._listener, selectors.EVENT_READ, "listen")
+        sel.register(self._wake_r, selectors.EVENT_READ, "wake")
+        conns: dict[socket.socket, tuple[events.FrameReader, int]] = {}
+        try:
+            while True:
+                for key, _ in sel.select(1.0):
+                    if key.data == "wake":
+                        return
+                    if key.data == "listen":
+                        try:
+                            conn, _ = self._listener.accept()
+                        except BlockingIOError:
+                            continue
+                        creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                _PEERCRED.size)
+                        pid = _PEERCRED.unpack(creds)[0]
+                        conn.setblocking(False)
+                        conns[conn] = (events.FrameReader(), pid)
+                        sel.register(conn, selectors.EVENT_READ, "conn")
+                        with self._lock:
+                            self.connections += 1
+                        continue
+                    conn = key.fileobj
+                    reader, pid = conns[conn]
+                    try:
+                        data = conn.recv(65536)
+                    except BlockingIOError:
+                        continue
+                    except OSError:
+                        data = b""
+                    if not data:
+                        if reader.pending():
+                            self._reject(events.REJECT_TRUNCATED)
+                        sel.unregister(conn)
+                        conn.close()
+                        del conns[conn]
+                        continue
+                    self._feed(reader, data, pid)
+        finally:
+            for conn in conns:
+                conn.close()
+            sel.close()
+            self._listener.close()
+
+    def _feed(self, reader: events.FrameReader, data: bytes, pid: int) -> None:
+        try:
+            payloads = reader.feed(data)
+        except events.EventError as exc:
+            self._reject(exc.reason)
+            return
+        for payload in payloads:
+            try:
+                event = events.decode(payload)
+            except events.EventError as exc:
+                self._reject(exc.reason)
+                continue
+            with self._lock:
+                self._events.append(event)
+                self.peer_pids.append(pid)
+
+    def _reject(self, reason: str) -> None:
+        with self._lock:
+            self.rejects.append(reason)
