@@ -1,0 +1,173 @@
+"""The agent's core loop: ingest -> detector -> exporters.
+
+Threads: the ingest server thread decodes events and puts them on a queue; the HTTP server
+serves scrapes; this (main) thread owns the detector, so the detector needs no locks. Every
+Write and Collision the detector returns goes to every exporter: metrics, journal, log line.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import signal
+import threading
+import time
+
+import psutil
+
+from exporters.journal import Journal
+from exporters.logline import collision_message
+from exporters.prometheus import MetricsServer, MetricsState, build_registry
+from monitor import logformat
+from monitor.config import Config
+from monitor.detector import Detector
+from monitor.ingest import IngestError, IngestServer
+from monitor.model import Collision, Write
+
+log = logging.getLogger("ckptwatch.agent")
+
+TICK_SECONDS = 0.2          # detector.tick() cadence: settles collisions, expires old writes
+BATCH = 4096                # events taken from the queue per turn
+STALL_SECONDS = 30.0        # /healthz fails when the loop has not turned for this long
+
+
+def pid_alive(pid: int) -> bool:
+    """Is a writer still running? Ingest checked every event's pid against the kernel's peer
+    credentials, so each pid is a live pid of this node's pid namespace when it arrives and
+    pid_exists is a valid answer whatever node name the writer reports."""
+    return psutil.pid_exists(pid)
+
+
+class Exporters:
+    """Hands each detector output to every exporter; one failing exporter never stops another."""
+
+    def __init__(self, state: MetricsState, journal: Journal):
+        self.state, self.journal = state, journal
+
+    def publish(self, items) -> None:
+        for item in items:
+            if isinstance(item, Collision):
+                self.state.collision(item)
+                log.warning("%s", collision_message(item))
+            elif isinstance(item, Write):
+                self.state.write_finished(item)
+            try:
+                self.journal.write(item)
+            except Exception:
+                self.state.journal_error()
+                log.exception("journal write failed")
+
+
+def _take(inbox: queue.SimpleQueue, timeout: float) -> list[dict]:
+    try:
+        batch = [inbox.get(timeout=timeout)]
+    except queue.Empty:
+        return []
+    while len(batch) < BATCH:
+        try:
+            batch.append(inbox.get_nowait())
+        except queue.Empty:
+            break
+    return batch
+
+
+def _install_signal_handlers(stop: threading.Event) -> dict:
+    previous = {}
+    if threading.current_thread() is not threading.main_thread():
+        return previous          # run() in a test thread: the caller sets `stop` itself
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        previous[sig] = signal.signal(sig, lambda signum, frame: stop.set())
+    return previous
+
+
+def run(config: Config, stop: threading.Event | None = None) -> int:
+    """Run the agent until SIGTERM/SIGINT (or `stop` is set). Returns the exit code:
+    0 after a clean stop, 1 when the agent cannot start (socket or port in use, ...)."""
+    logformat.configure(config.log_level, config.log_format)
+    stop = stop or threading.Event()
+    state = MetricsState()
+    inbox: queue.SimpleQueue = queue.SimpleQueue()
+    ingest = IngestServer(config.socket, inbox.put, state.event_rejected,
+                          socket_mode=config.socket_mode, socket_group=config.socket_group)
+    heartbeat = [time.monotonic()]
+
+    def health() -> tuple[bool, str]:
+        if not ingest.alive:
+            return False, "ingest thread is not running"
+        if time.monotonic() - heartbeat[0] > STALL_SECONDS:
+            return False, "agent loop stalled"
+        return True, ""
+
+    server = MetricsServer(config.listen_address, build_registry(state), health=health)
+    detector = Detector(window=config.collision_window, settle=config.collision_settle,
+                        stale_after=config.collision_stale_after,
+                        max_paths=config.collision_max_paths, pid_alive=pid_alive)
+    previous = _install_signal_handlers(stop)
+    journal = None
+    try:
+        try:
+            ingest.start()
+        except IngestError as exc:
+            log.error("%s", exc)
+            return 1
+        try:
+            journal = Journal(config.journal_path, config.journal_max_bytes,
+                              config.journal_backups)
+        except OSError as exc:
+            log.error("cannot open journal %s: %s", config.journal_path, exc.strerror or exc)
+            return 1
+        try:
+            server.start()
+        except OSError as exc:
+            log.error("cannot serve metrics on %s: %s", config.listen_address,
+                      exc.strerror or exc)
+            return 1
+        log.info("ckptwatch agent started: socket=%s metrics=%s (port %s) journal=%s pid=%d",
+                 config.socket, config.listen_address, server.port, config.journal_path,
+                 os.getpid())
+        _loop(stop, inbox, detector, Exporters(state, journal), state, ingest, heartbeat)
+        log.info("stopping")
+        return 0
+    finally:
+        ingest.stop()
+        if journal is not None:
+            outputs = Exporters(state, journal)
+            _drain(inbox, detector, outputs, state)
+            outputs.publish(detector.flush())
+            journal.flush()
+            journal.close()
+        server.stop()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _handle(batch: list[dict], detector: Detector, outputs: Exporters,
+            state: MetricsState) -> None:
+    state.event_received(len(batch))
+    for event in batch:
+        if event["type"] == "dropped":
+            state.client_dropped(event["count"])
+        else:
+            outputs.publish(detector.observe(event))
+
+
+def _drain(inbox, detector, outputs, state) -> None:
+    while batch := _take(inbox, 0):
+        _handle(batch, detector, outputs, state)
+
+
+def _loop(stop, inbox, detector, outputs, state, ingest, heartbeat) -> None:
+    next_tick = time.monotonic()
+    while not stop.is_set():
+        batch = _take(inbox, TICK_SECONDS)
+        if batch:
+            _handle(batch, detector, outputs, state)
+        now = time.monotonic()
+        heartbeat[0] = now
+        if now >= next_tick:
+            next_tick = now + TICK_SECONDS
+            outputs.publish(detector.tick())
+            state.set_active_writes(detector.active_writes())
+            state.set_detector_stats(detector.tracked_paths, detector.evicted_paths_total)
+            state.set_ingest_connections(ingest.connections)
+            outputs.journal.flush()

@@ -1,0 +1,237 @@
+"""The real agent as a subprocess, for end-to-end tests.
+
+    with start_agent(workdir, window=5) as agent:
+        ... send events to agent.socket ...
+        collision = agent.wait_for_collision()
+        assert agent.metric("ckptwatch_collisions_total", kind="concurrent") == 1
+
+The agent runs `python agent.py` on a short private socket path, a free loopback port and a
+journal in workdir, at debug log level with stderr captured to a file (agent.log).
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from helpers import REPO_ROOT, free_port, remove_tree, short_tmpdir, subprocess_env, wait_for
+
+
+class AgentProcess:
+    """A running agent subprocess; stop() (or leaving the with-block) ends it."""
+
+    def __init__(self, proc: subprocess.Popen, socket: str, port: int, journal: str,
+                 log_path: str, sockdir: str):
+        self.proc = proc
+        self.socket = socket
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}"
+        self.journal = journal
+        self.log_path = log_path
+        self._sockdir = sockdir
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    @property
+    def log(self) -> str:
+        """Everything the agent wrote to stderr so far."""
+        with open(self.log_path, encoding="utf-8", errors="replace") as fh:
+            return fh.read()
+
+    def get(self, route: str, timeout: float = 5.0) -> tuple[int, str]:
+        """(HTTP status, body) of a GET on the agent's web server."""
+        try:
+            with urllib.request.urlopen(self.url + route, timeout=timeout) as resp:
+                return resp.status, resp.read().decode()
+        except urllib.error.HTTPError as exc:
+            return exc.code, exc.read().decode()
+
+    def scrape(self) -> str:
+        status, body = self.get("/metrics")
+        assert status == 200, f"/metrics answered {status}: {body}"
+        return body
+
+    def metric(self, name: str, **labels) -> float | None:
+        """The value of the sample `name` whose labels include `labels`, summed over matches;
+        None if no sample matches. `name` is the sample name, e.g. ..._total or ..._bucket."""
+        values = [s.value
+                  for family in text_string_to_metric_families(self.scrape())
+                  for s in family.samples
+                  if s.name == name and all(s.labels.get(k) == str(v) for k, v in labels.items())]
+        return sum(values) if values else None
+
+    def journal_records(self) -> list[dict]:
+        """Every journal record so far (rotated files first)."""
+        from exporters.journal import read_records
+        if not os.path.exists(self.journal):
+            return []
+        return list(read_records(self.journal))
+
+    def collisions(self) -> list[dict]:
+        return [r for r in self.journal_records() if r.get("type") == "collision"]
+
+    def wait_for_collision(self, timeout: float = 15.0, count: int = 1) -> dict:
+        """Wait until the journal holds `count` collision records; return the last one."""
+        found = wait_for(lambda: len(self.collisions()) >= count and self.collisions(),
+                         timeout=timeout, message=f"{count} collision(s) in {self.journal}; "
+                                                  f"agent log:\n{self.log}")
+        return found[count - 1]
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 15.0) -> int:
+        """Send sig, wait for exit, return the exit code (SIGKILL after timeout)."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+    def close(self) -> None:
+        self.stop()
+        remove_tree(self._sockdir)
+
+    def __enter__(self) -> "AgentProcess":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def agent_command(socket: str, port: int, journal: str, *extra_args: str,
+                  window: float | None = None) -> list[str]:
+    cmd = [sys.executable, os.path.join(REPO_ROOT, "agent.py"), "--ingest.socket", socket,
+           "--web.listen-address", f"127.0.0.1:{port}", "--journal.path", journal,
+           "--log.level", "debug"]
+    if window is not None:
+        cmd += ["--collision.window", str(window)]
+    return cmd + list(extra_args)
+
+
+def launch_agent(workdir: str, *extra_args: str, window: float | None = None,
+                 socket: str | None = None, port: int | None = None,
+                 log_name: str = "agent.log") -> AgentProcess:
+    """Start the agent without waiting for it (for tests of failing starts)."""
+    sockdir = short_tmpdir("cwa")
+    socket = socket or os.path.join(sockdir, "agent.sock")
+    port = port or free_port()
+    journal = os.path.join(workdir, "journal.jsonl")
+    log_path = os.path.join(workdir, log_name)
+    with open(log_path, "wb") as log_file:
+        proc = subprocess.Popen(agent_command(socket, port, journal, *extra_args, window=window),
+                                stdin=subprocess.DEVNULL, stdout=log_file, stderr=log_file,
+                                env=subprocess_env(), cwd=workdir)
+    return AgentProcess(proc, socket, port, journal, log_path, sockdir)
+
+
+def start_agent(workdir: str, *extra_args: str, window: float | None = None,
+                socket: str | None = None, port: int | None = None,
+                timeout: float = 30.0) -> AgentProcess:
+    """Start the real agent and wait until /healthz answers 200 and its socket exists."""
+    agent = launch_agent(workdir, *extra_args, window=window, socket=socket, port=port)
+
+    def ready() -> bool:
+        if not agent.alive():
+            raise AssertionError(f"agent exited with {agent.proc.returncode}:\n{agent.log}")
+        try:
+            return agent.get("/healthz", timeout=1)[0] == 200 and os.path.exists(agent.socket)
+        except OSError:
+            return False
+
+    try:
+        wait_for(ready, timeout=timeout, interval=0.05, message="agent /healthz")
+    except BaseException:
+        agent.close()
+        raise
+    return agent
+
+
+# --- a scripted event sender in its own process ------------------------------------------
+
+_SENDER = r'''
+import os, socket, sys, time
+from monitor import events
+path, node, rank, job, ckpt = sys.argv[1:6]
+sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+sock.connect(path)
+base = {"v": 1, "node": node, "pid": os.getpid(), "rank": int(rank), "local_rank": int(rank),
+        "world_size": 2, "job": job or None, "path": ckpt, "site": f"train.py:{10 + int(rank)}",
+        "func": "save_checkpoint"}
+seq, started = 0, None
+for line in sys.stdin:
+    cmd, _, arg = line.strip().partition(" ")
+    if cmd == "start":
+        seq += 1
+        started = (time.time(), time.monotonic())
+        sock.sendall(events.encode({**base, "type": "start", "seq": seq,
+                                    "wall": started[0], "mono": started[1]}))
+    elif cmd == "end":
+        sock.sendall(events.encode({**base, "type": "end", "seq": seq, "wall": time.time(),
+                                    "mono": time.monotonic(), "start_wall": started[0],
+                                    "start_mono": started[1], "bytes": 1234, "outcome": "ok"}))
+    elif cmd == "raw":
+        sock.sendall(bytes.fromhex(arg))
+    elif cmd == "close":
+        sock.close()
+    print("ok", flush=True)
+'''
+
+
+class EventSender:
+    """A separate Python process connected to the agent, sending hand-built events on command:
+    start() / end() of a write of `path`, raw(bytes). Each call returns once the bytes are sent.
+    """
+
+    def __init__(self, socket: str, path: str, rank: int = 0, job: str = "job-e2e",
+                 node: str = "test-node"):
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", _SENDER, socket, node, str(rank), job, path],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=subprocess_env())
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def _do(self, command: str) -> None:
+        self.proc.stdin.write(command + "\n")
+        self.proc.stdin.flush()
+        reply = self.proc.stdout.readline()
+        assert reply.strip() == "ok", f"sender failed on {command!r} (exit {self.proc.poll()})"
+
+    def start(self) -> None:
+        self._do("start")
+
+    def end(self) -> None:
+        self._do("end")
+
+    def raw(self, data: bytes) -> None:
+        self._do("raw " + data.hex())
+
+    def close(self) -> int:
+        """Close stdin (the sender exits, closing its connection); return its exit code."""
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc.stdout.close()
+        return self.proc.returncode
+
+    def __enter__(self) -> "EventSender":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

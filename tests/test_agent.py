@@ -1,0 +1,182 @@
+"""The real agent process end to end: events in over the socket, collisions out in the journal,
+/metrics and the log; bad input; signals; socket ownership; startup failures."""
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+
+import pytest
+
+# The agent needs the detector and the journal/log exporters; until they are in the tree these
+# end-to-end tests skip (visibly, with -ra) instead of failing on an import error.
+for _module in ("monitor.detector", "exporters.journal", "exporters.logline"):
+    pytest.importorskip(_module)
+
+from agentproc import EventSender, launch_agent, start_agent
+from helpers import wait_for
+from monitor import events
+
+# Settle quickly so a collision is final ~0.2 s after its last write ends.
+FAST = ("--collision.settle", "0.2")
+
+
+@pytest.fixture
+def workdir(tmp_path):
+    return str(tmp_path)
+
+
+def overlapping_writes(agent, path: str, job: str = "job-e2e") -> tuple[int, int]:
+    """Rank 0 and rank 1, each its own process, write `path` with overlapping intervals."""
+    with EventSender(agent.socket, path, rank=0, job=job) as a, \
+            EventSender(agent.socket, path, rank=1, job=job) as b:
+        a.start()
+        b.start()
+        a.end()
+        b.end()
+        # Keep both alive until the agent has both ends: a dead writer's open write is "lost".
+        wait_for(lambda: (agent.metric("ckptwatch_writes_total", job=job) or 0) >= 2,
+                 message="both writes finished")
+        return a.pid, b.pid
+
+
+def test_collision_in_journal_metrics_and_log(workdir):
+    with start_agent(workdir, *FAST) as agent:
+        assert agent.get("/healthz")[0] == 200
+        pid_a, pid_b = overlapping_writes(agent, "/ckpt/run1/last.pt")
+        record = agent.wait_for_collision()
+        assert record["kind"] == "concurrent" and record["scope"] == "node"
+        assert record["path"] == "/ckpt/run1/last.pt"
+        assert sorted(w["rank"] for w in record["writers"]) == [0, 1]
+        assert {w["pid"] for w in record["writers"]} == {pid_a, pid_b}
+        assert record["first"]["rank"] == 0 and record["last"]["rank"] == 1
+        assert {w["site"] for w in record["writers"]} == {"train.py:10", "train.py:11"}
+        wait_for(lambda: agent.metric("ckptwatch_collisions_total", kind="concurrent",
+                                      scope="node") == 1)
+        assert agent.metric("ckptwatch_events_received_total") == 4
+        writes = [r for r in agent.journal_records() if r.get("type") == "write"]
+        assert len(writes) == 2
+        warning = [line for line in agent.log.splitlines() if "level=warning" in line]
+        assert any("/ckpt/run1/last.pt" in line for line in warning), agent.log
+        assert "level=info" in agent.log and agent.socket in agent.log
+
+
+def frame(payload: bytes) -> bytes:
+    return events.HEADER.pack(len(payload)) + payload
+
+
+def base_event(pid: int) -> dict:
+    return {"v": 1, "type": "start", "node": "test-node", "pid": pid, "seq": 1,
+            "path": "/ckpt/x.pt", "wall": 1.0, "mono": 1.0}
+
+
+def test_bad_input_counted_and_collisions_still_detected(workdir):
+    rng = random.Random(7)
+    with start_agent(workdir, *FAST) as agent:
+        def send(data: bytes) -> None:
+            # Every bad client is its own process, as a broken or hostile sender would be.
+            with EventSender(agent.socket, "/unused") as s:
+                s.raw(data(s.pid) if callable(data) else data)
+
+        send(bytes([0]) + bytes(rng.randrange(256) for _ in range(2000)))   # random garbage
+        send(frame(b"{not json"))                                           # malformed
+        send(events.encode(base_event(1))[:-3])                             # truncated
+        send(events.HEADER.pack(events.MAX_FRAME_BYTES + 1) + b"x" * 64)   # oversized
+        send(lambda pid: events.encode({**base_event(pid), "v": 2}))        # wrong version
+        send(lambda pid: events.encode({k: v for k, v in base_event(pid).items()
+                                        if k != "path"}))                  # incomplete
+        send(events.encode(base_event(os.getpid())))                       # pid spoofing
+        expected = {"oversized": 1, "unknown_version": 1, "incomplete": 1, "pid_mismatch": 1}
+
+        def counted():
+            got = {r: agent.metric("ckptwatch_events_rejected_total", reason=r) for r in
+                   ("malformed", "truncated", "oversized", "unknown_version", "incomplete",
+                    "pid_mismatch")}
+            ok = all(got[r] >= n for r, n in expected.items()) and got["malformed"] >= 1 \
+                and got["truncated"] >= 1 and sum(got.values()) >= 7
+            return got if ok else None
+
+        got = wait_for(counted, message="every rejection counted")
+        # The random garbage lands as one of malformed / truncated / oversized.
+        assert sum(got.values()) == 7, got
+        assert agent.metric("ckptwatch_events_received_total") == 0
+        assert agent.alive()
+
+        overlapping_writes(agent, "/ckpt/after-bad-input.pt")
+        record = agent.wait_for_collision()
+        assert record["path"] == "/ckpt/after-bad-input.pt"
+        assert agent.metric("ckptwatch_collisions_total", kind="concurrent") == 1
+
+
+def test_sigterm_stops_cleanly_and_flushes_pending_collision(workdir):
+    # settle of 60 s: the collision can only reach the journal through the shutdown flush.
+    agent = start_agent(workdir, "--collision.settle", "60")
+    try:
+        overlapping_writes(agent, "/ckpt/flush.pt")
+        assert agent.collisions() == []
+        assert agent.stop(signal.SIGTERM) == 0
+        assert not os.path.exists(agent.socket)
+        collisions = agent.collisions()
+        assert len(collisions) == 1 and collisions[0]["path"] == "/ckpt/flush.pt"
+        assert "Traceback" not in agent.log
+    finally:
+        agent.close()
+
+
+def test_sigint_also_stops_cleanly(workdir):
+    with start_agent(workdir) as agent:
+        assert agent.stop(signal.SIGINT) == 0
+        assert not os.path.exists(agent.socket)
+
+
+def test_second_agent_on_live_socket_exits_1(workdir):
+    with start_agent(workdir) as first:
+        second = launch_agent(workdir, socket=first.socket, log_name="second.log")
+        try:
+            second.proc.wait(30)
+            assert second.proc.returncode == 1
+            assert "already listening on " + first.socket in second.log
+        finally:
+            second.close()
+        # The first agent keeps its socket and keeps working.
+        assert os.path.exists(first.socket) and first.get("/healthz")[0] == 200
+        with EventSender(first.socket, "/ckpt/a.pt") as s:
+            s.start()
+            wait_for(lambda: first.metric("ckptwatch_events_received_total") == 1)
+
+
+def test_stale_socket_of_killed_agent_is_replaced(workdir):
+    killed = start_agent(workdir)
+    try:
+        assert killed.stop(signal.SIGKILL) == -signal.SIGKILL
+        assert os.path.exists(killed.socket)     # left behind, nobody listening
+        with start_agent(workdir, socket=killed.socket) as agent:
+            with EventSender(agent.socket, "/ckpt/b.pt") as s:
+                s.start()
+                wait_for(lambda: agent.metric("ckptwatch_events_received_total") == 1)
+            assert "stale" in agent.log
+    finally:
+        killed.close()
+
+
+def test_port_in_use_exits_1(workdir):
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        agent = launch_agent(workdir, port=busy.getsockname()[1])
+        try:
+            agent.proc.wait(30)
+            assert agent.proc.returncode == 1
+            assert "cannot serve metrics on 127.0.0.1:" in agent.log
+            assert not os.path.exists(agent.socket)
+        finally:
+            agent.close()
+
+
+def test_python_agent_py_help():
+    proc = subprocess.run([sys.executable, "agent.py", "--help"], capture_output=True,
+                          text=True, timeout=60,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert proc.returncode == 0
+    assert "--web.listen-address" in proc.stdout and "--ingest.socket" in proc.stdout
