@@ -1,0 +1,147 @@
+"""monitor.identity: rank/node/job from torchrun, SLURM and Open MPI environments."""
+import json
+import os
+import socket
+import subprocess
+import sys
+
+from helpers import REPO_ROOT, subprocess_env
+from monitor import identity as identity_mod
+from monitor.identity import from_environ
+
+PY = sys.executable
+
+TORCHRUN_ENV = {
+    "RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "2",
+    "GROUP_RANK": "1", "TORCHELASTIC_RESTART_COUNT": "2", "TORCHELASTIC_RUN_ID": "run-7",
+    "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500",
+}
+
+
+def test_torchrun_environment():
+    ident = from_environ({**TORCHRUN_ENV, "CKPTWATCH_NODE": "node-a"})
+    assert ident == {"node": "node-a", "pid": os.getpid(), "rank": 3, "local_rank": 1,
+                     "world_size": 8, "local_world_size": 2, "node_rank": 1, "job": "run-7",
+                     "master": "10.0.0.1:29500", "restart": 2}
+
+
+def test_slurm_environment():
+    ident = from_environ({"SLURM_PROCID": "5", "SLURM_LOCALID": "1", "SLURM_NTASKS": "16",
+                          "SLURM_NODEID": "2", "SLURM_JOB_ID": "4242",
+                          "SLURM_RESTART_COUNT": "1"})
+    assert (ident["rank"], ident["local_rank"], ident["world_size"], ident["node_rank"]) == \
+        (5, 1, 16, 2)
+    assert ident["job"] == "4242"
+    assert ident["restart"] == 1
+    assert ident["local_world_size"] is None
+    assert ident["master"] is None
+
+
+def test_open_mpi_environment():
+    ident = from_environ({"OMPI_COMM_WORLD_RANK": "6", "OMPI_COMM_WORLD_LOCAL_RANK": "2",
+                          "OMPI_COMM_WORLD_SIZE": "12", "OMPI_COMM_WORLD_LOCAL_SIZE": "4",
+                          "OMPI_COMM_WORLD_NODE_RANK": "1"})
+    assert (ident["rank"], ident["local_rank"], ident["world_size"],
+            ident["local_world_size"], ident["node_rank"]) == (6, 2, 12, 4, 1)
+    assert ident["job"] is None
+
+
+def test_torchrun_wins_over_slurm_when_both_are_set():
+    # torchrun launched inside a SLURM allocation: the worker's own rank is RANK.
+    ident = from_environ({**TORCHRUN_ENV, "SLURM_PROCID": "0", "SLURM_JOB_ID": "99"})
+    assert ident["rank"] == 3
+    assert ident["job"] == "run-7"
+
+
+def test_job_precedence():
+    env = {"CKPTWATCH_JOB": "mine", "TORCHELASTIC_RUN_ID": "elastic", "SLURM_JOB_ID": "17"}
+    assert from_environ(env)["job"] == "mine"
+    del env["CKPTWATCH_JOB"]
+    assert from_environ(env)["job"] == "elastic"
+    del env["TORCHELASTIC_RUN_ID"]
+    assert from_environ(env)["job"] == "17"
+
+
+def test_unparseable_ints_become_none():
+    ident = from_environ({"RANK": "zero", "WORLD_SIZE": "", "LOCAL_RANK": " 2 "})
+    assert ident["rank"] is None
+    assert ident["world_size"] is None
+    assert ident["local_rank"] == 2
+
+
+def test_master_needs_both_address_and_port():
+    assert from_environ({"MASTER_ADDR": "h"})["master"] is None
+    assert from_environ({"MASTER_PORT": "1"})["master"] is None
+    assert from_environ({"MASTER_ADDR": "h", "MASTER_PORT": "1"})["master"] == "h:1"
+
+
+def test_node_defaults_to_host_name():
+    assert from_environ({})["node"] == socket.gethostname()
+    assert from_environ({"CKPTWATCH_NODE": "n7"})["node"] == "n7"
+
+
+def test_identity_is_cached_until_reset(monkeypatch):
+    identity_mod.reset()
+    try:
+        monkeypatch.setenv("RANK", "4")
+        monkeypatch.setenv("CKPTWATCH_NODE", "cached-node")
+        first = identity_mod.identity()
+        monkeypatch.setenv("RANK", "5")
+        assert identity_mod.identity() is first
+        assert first["rank"] == 4
+        identity_mod.reset()
+        assert identity_mod.identity()["rank"] == 5
+    finally:
+        identity_mod.reset()
+
+
+def _run(code: str, **env) -> dict:
+    out = subprocess.run([PY, "-c", code], env=subprocess_env(**env), cwd=REPO_ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_fork_child_gets_its_own_pid():
+    result = _run("""
+import json, os
+from monitor.identity import identity
+parent = identity()
+r, w = os.pipe()
+pid = os.fork()
+if pid == 0:
+    os.write(w, json.dumps(identity()).encode()); os._exit(0)
+os.waitpid(pid, 0)
+child = json.loads(os.read(r, 65536))
+print(json.dumps({"parent": parent["pid"], "child": child["pid"], "forked": pid,
+                  "me": os.getpid(), "rank": child["rank"]}))
+""", RANK="2")
+    assert result["parent"] == result["me"]
+    assert result["child"] == result["forked"] != result["me"]
+    assert result["rank"] == 2
+
+
+def test_identity_never_imports_torch():
+    result = _run("""
+import json, sys
+from monitor.identity import identity
+identity()
+print(json.dumps({"torch": "torch" in sys.modules}))
+""")
+    assert result == {"torch": False}
+
+
+def test_falls_back_to_initialised_torch_distributed():
+    port = __import__("helpers").free_port()
+    result = _run(f"""
+import json
+import torch.distributed as dist
+from monitor.identity import identity
+before = identity()["rank"]
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:{port}", rank=0, world_size=1)
+after = identity()
+dist.destroy_process_group()
+print(json.dumps({{"before": before, "rank": after["rank"], "world": after["world_size"]}}))
+""")
+    assert result == {"before": None, "rank": 0, "world": 1}
+
