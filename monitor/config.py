@@ -186,7 +186,7 @@ OPTIONS = (
            "rotate the journal when it exceeds this many bytes"),
     Option("journal.backups", "journal_backups", _number(int, 0),
            "rotated journal files to keep"),
-    Option("collision.window", "collision_window", _number(float, 0, strict=True),
+    Option("collision.window", "collision_window", _number(float, 0),
            "seconds during which sequential writes of one path by one job run count as "
            "a redundant write"),
     Option("collision.settle", "collision_settle", _number(float, 0),

@@ -31,10 +31,10 @@ BATCH = 4096                # events taken from the queue per turn
 STALL_SECONDS = 30.0        # /healthz fails when the loop has not turned for this long
 
 
-def pid_alive(pid: int) -> bool:
-    """Is a writer still running? Ingest checked every event's pid against the kernel's peer
-    credentials, so each pid is a live pid of this node's pid namespace when it arrives and
-    pid_exists is a valid answer whatever node name the writer reports."""
+def pid_alive(node: str, pid: int) -> bool:
+    """Is a writer still running? The node name is not consulted: ingest checked every event's
+    pid against the kernel's peer credentials, so each writer is a process of this node's pid
+    namespace whatever node name it reports (CKPTWATCH_NODE may differ from the host name)."""
     return psutil.pid_exists(pid)
 
 
@@ -56,6 +56,17 @@ class Exporters:
             except Exception:
                 self.state.journal_error()
                 log.exception("journal write failed")
+
+
+def health_check(ingest: IngestServer, heartbeat: list[float]):
+    """/healthz: unhealthy when the ingest thread died or the core loop stopped turning."""
+    def health() -> tuple[bool, str]:
+        if not ingest.alive:
+            return False, "ingest thread is not running"
+        if time.monotonic() - heartbeat[0] > STALL_SECONDS:
+            return False, "agent loop stalled"
+        return True, ""
+    return health
 
 
 def _take(inbox: queue.SimpleQueue, timeout: float) -> list[dict]:
@@ -90,15 +101,8 @@ def run(config: Config, stop: threading.Event | None = None) -> int:
     ingest = IngestServer(config.socket, inbox.put, state.event_rejected,
                           socket_mode=config.socket_mode, socket_group=config.socket_group)
     heartbeat = [time.monotonic()]
-
-    def health() -> tuple[bool, str]:
-        if not ingest.alive:
-            return False, "ingest thread is not running"
-        if time.monotonic() - heartbeat[0] > STALL_SECONDS:
-            return False, "agent loop stalled"
-        return True, ""
-
-    server = MetricsServer(config.listen_address, build_registry(state), health=health)
+    server = MetricsServer(config.listen_address, build_registry(state),
+                           health=health_check(ingest, heartbeat))
     detector = Detector(window=config.collision_window, settle=config.collision_settle,
                         stale_after=config.collision_stale_after,
                         max_paths=config.collision_max_paths, pid_alive=pid_alive)

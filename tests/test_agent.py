@@ -180,3 +180,23 @@ def test_python_agent_py_help():
                           cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert proc.returncode == 0
     assert "--web.listen-address" in proc.stdout and "--ingest.socket" in proc.stdout
+
+
+def test_health_fails_when_ingest_thread_is_gone(tmp_path, sockdir, no_thread_leak):
+    import time
+
+    from monitor.daemon import STALL_SECONDS, health_check
+    from monitor.ingest import IngestServer
+
+    ingest = IngestServer(os.path.join(sockdir, "h.sock"), lambda e: None, lambda r: None)
+    heartbeat = [time.monotonic()]
+    health = health_check(ingest, heartbeat)
+    ingest.start()
+    try:
+        assert health() == (True, "")
+        heartbeat[0] -= STALL_SECONDS + 1
+        assert health() == (False, "agent loop stalled")
+        heartbeat[0] = time.monotonic()
+    finally:
+        ingest.stop()
+    assert health() == (False, "ingest thread is not running")

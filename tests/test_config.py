@@ -38,6 +38,12 @@ def test_flags_are_parsed_and_typed(tmp_path):
     assert cfg.log_level == "debug"
 
 
+def test_zero_window_allowed_negative_rejected():
+    assert load(["--collision.window", "0"]).collision_window == 0.0
+    with pytest.raises(ConfigError, match="collision.window"):
+        load(["--collision.window", "-0.5"])
+
+
 def test_socket_group_by_name_and_gid():
     group = grp.getgrgid(os.getgid())
     assert load(["--ingest.socket-group", group.gr_name]).socket_group == group.gr_gid
