@@ -1,0 +1,395 @@
+"""monitor.hook: every import/install/uninstall order runs in a fresh Python process.
+
+Each child script reports what it saw as one JSON line on stdout; the events it sent are
+collected by a real Unix socket receiver in the test process.
+"""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from helpers import REPO_ROOT, subprocess_env
+from receiver import Receiver
+
+PY = sys.executable
+
+
+@pytest.fixture
+def sock(sockdir):
+    return os.path.join(sockdir, "agent.sock")
+
+
+@pytest.fixture
+def rx(sock):
+    with Receiver(sock) as receiver:
+        yield receiver
+
+
+@pytest.fixture
+def workdir(tmp_path):
+    return str(tmp_path)
+
+
+def run_script(workdir: str, body: str, sock: str, **env) -> dict:
+    """Run body as workdir/child.py in a fresh interpreter; return its last stdout JSON line."""
+    script = os.path.join(workdir, "child.py")
+    with open(script, "w") as f:
+        f.write(textwrap.dedent(body))
+    out = subprocess.run([PY, script], env=subprocess_env(CKPTWATCH_SOCKET=sock, **env),
+                         cwd=workdir, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.strip().splitlines()
+    return json.loads(lines[-1]) if lines else {}
+
+
+def line_of(workdir: str, marker: str) -> int:
+    """1-based line number of the line containing marker in workdir/child.py."""
+    with open(os.path.join(workdir, "child.py")) as f:
+        for number, line in enumerate(f, 1):
+            if marker in line:
+                return number
+    raise AssertionError(marker)
+
+
+def test_install_after_import_reports_start_and_end(rx, sock, workdir):
+    result = run_script(workdir, """
+        import json, os, torch, monitor
+        ok = monitor.install()
+        def save_checkpoint():
+            torch.save({"w": torch.zeros(4)}, "ckpt.pt")  # SAVE-HERE
+        save_checkpoint()
+        print(json.dumps({"ok": ok, "pid": os.getpid(), "size": os.path.getsize("ckpt.pt")}))
+        """, sock, RANK="1", LOCAL_RANK="1", WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
+        GROUP_RANK="0", TORCHELASTIC_RUN_ID="job-1", TORCHELASTIC_RESTART_COUNT="0",
+        MASTER_ADDR="127.0.0.1", MASTER_PORT="29500", CKPTWATCH_NODE="node-x")
+    assert result["ok"] is True
+    (start,) = rx.wait_count("start", 1)
+    (end,) = rx.wait_count("end", 1)
+    path = os.path.join(workdir, "ckpt.pt")
+    site = f"{os.path.join(workdir, 'child.py')}:{line_of(workdir, 'SAVE-HERE')}"
+    for event in (start, end):
+        assert event["pid"] == result["pid"]
+        assert event["path"] == path
+        assert event["site"] == site
+        assert event["func"] == "save_checkpoint"
+        assert (event["rank"], event["local_rank"], event["world_size"],
+                event["local_world_size"], event["node_rank"]) == (1, 1, 2, 2, 0)
+        assert (event["job"], event["restart"], event["master"], event["node"]) == \
+            ("job-1", 0, "127.0.0.1:29500", "node-x")
+        assert event["seq"] == 1
+    assert end["outcome"] == "ok"
+    assert end["bytes"] == result["size"]
+    assert end["start_wall"] == start["wall"] and end["start_mono"] == start["mono"]
+    assert start["mono"] <= end["mono"]
+    assert rx.rejects == []
+
+
+def test_install_twice_unininstall_twice_no_double_wrap(rx, sock, workdir):
+    result = run_script(workdir, """
+        import json, torch, torch.serialization, monitor
+        from monitor import hook
+        original = torch.save
+        first, second = monitor.install(), monitor.install()
+        wrapped = torch.save
+        same = torch.save is torch.serialization.save
+        inner = getattr(torch.save, hook.MARKER)
+        torch.save(1, "a.pt")
+        u1, u2 = monitor.uninstall(), monitor.uninstall()
+        torch.save(2, "b.pt")   # not reported any more
+        print(json.dumps({"first": first, "second": second, "same": same,
+                          "inner_is_original": inner is original,
+                          "wrapped": wrapped is not original,
+                          "restored": torch.save is original
+                                      and torch.serialization.save is original,
+                          "u1": u1, "u2": u2, "installed": hook.is_installed()}))
+        """, sock)
+    assert result == {"first": True, "second": False, "same": True, "inner_is_original": True,
+                      "wrapped": True, "restored": True, "u1": True, "u2": False,
+                      "installed": False}
+    rx.wait_count("end", 1)
+    assert [e["path"] for e in rx.events] == [os.path.join(workdir, "a.pt")] * 2
+
+
+def test_install_before_torch_import_patches_when_torch_arrives(rx, sock, workdir):
+    result = run_script(workdir, """
+        import json, sys, monitor
+        early = monitor.install()
+        imported_early = "torch" in sys.modules
+        import torch
+        from monitor import hook
+        torch.save(1, "early.pt")
+        print(json.dumps({"early": early, "imported_early": imported_early,
+                          "installed": hook.is_installed(),
+                          "again": monitor.install()}))
+        """, sock)
+    assert result == {"early": False, "imported_early": False, "installed": True,
+                      "again": False}
+    (end,) = rx.wait_count("end", 1)
+    assert end["path"] == os.path.join(workdir, "early.pt")
+
+
+def test_uninstall_leaves_a_later_foreign_wrapper_alone(rx, sock, workdir):
+    result = run_script(workdir, """
+        import functools, json, torch, torch.serialization, monitor
+        original = torch.save
+        monitor.install()
+        ours = torch.save
+        calls = []
+        @functools.wraps(ours)             # copies our marker attribute too
+        def theirs(*args, **kwargs):
+            calls.append(1)
+            return ours(*args, **kwargs)
+        torch.save = theirs
+        restored = monitor.uninstall()
+        after_uninstall = {"torch_save_is_theirs": torch.save is theirs,
+                           "serialization_restored": torch.serialization.save is original}
+        torch.save(1, "quiet.pt")          # goes through theirs -> our (inactive) wrapper
+        reinstalled = monitor.install()
+        torch.save(2, "loud.pt")           # ours(theirs(ours-inactive)): reported once
+        print(json.dumps({"restored": restored, **after_uninstall,
+                          "reinstalled": reinstalled, "calls": len(calls)}))
+        """, sock)
+    assert result == {"restored": True, "torch_save_is_theirs": True,
+                      "serialization_restored": True, "reinstalled": True, "calls": 2}
+    rx.wait_count("end", 1)
+    time.sleep(0.2)   # give a (wrong) second pair the chance to show up
+    assert [(e["type"], os.path.basename(e["path"])) for e in rx.events] == \
+        [("start", "loud.pt"), ("end", "loud.pt")]
+
+
+def test_return_value_and_exception_identity(rx, sock, workdir):
+    result = run_script(workdir, """
+        import json, torch, torch.serialization, monitor
+        sentinel = object()
+        boom = OSError(28, "No space left on device")
+        def fake_save(obj, f, *args, **kwargs):
+            open(f, "wb").write(b"x" * 3)
+            if obj == "fail":
+                raise boom
+            return sentinel
+        torch.save = torch.serialization.save = fake_save
+        monitor.install()
+        returned = torch.save("ok", "ret.pt", pickle_protocol=4)
+        try:
+            torch.save("fail", "err.pt")
+            caught = None
+        except OSError as exc:
+            caught = exc
+        tb = caught.__traceback__
+        while tb.tb_next is not None:
+            tb = tb.tb_next
+        print(json.dumps({"same_return": returned is sentinel, "same_exc": caught is boom,
+                          "raised_in": tb.tb_frame.f_code.co_name}))
+        """, sock)
+    assert result == {"same_return": True, "same_exc": True, "raised_in": "fake_save"}
+    ends = rx.wait_count("end", 2)
+    outcome = {os.path.basename(e["path"]): (e["outcome"], e["bytes"]) for e in ends}
+    assert outcome == {"ret.pt": ("ok", 3), "err.pt": ("OSError", 3)}
+
+
+def test_real_torch_failure_records_the_exception_type(rx, sock, workdir):
+    result = run_script(workdir, """
+        import json, torch, monitor
+        monitor.install()
+        try:
+            torch.save(1, "no/such/dir/x.pt")
+        except Exception as exc:
+            print(json.dumps({"type": type(exc).__name__}))
+        """, sock)
+    (end,) = rx.wait_count("end", 1)
+    assert end["outcome"] == result["type"] == "RuntimeError"
+    assert end["bytes"] is None
+    assert end["path"] == os.path.join(workdir, "no/such/dir/x.pt")
+
+
+def test_path_kinds_and_file_objects(rx, sock, workdir):
+    result = run_script(workdir, """
+        import io, json, os, pathlib, torch, monitor
+        monitor.install()
+        torch.save(1, "rel.pt")
+        torch.save(2, pathlib.Path("pathlike.pt"))
+        try:
+            torch.save(3, b"bytes.pt")           # torch itself rejects bytes paths
+            bytes_error = None
+        except AttributeError as exc:
+            bytes_error = type(exc).__name__
+        with open("fileobj.pt", "wb") as f:
+            torch.save({"t": torch.ones(3)}, f)
+            told = f.tell()
+        buf = io.BytesIO()
+        torch.save(4, buf)                      # not a file write: not reported
+        print(json.dumps({"bytes_error": bytes_error, "told": told,
+                          "buffer_written": len(buf.getvalue()) > 0}))
+        """, sock)
+    assert result["bytes_error"] == "AttributeError" and result["buffer_written"]
+    ends = rx.wait_count("end", 4)
+    time.sleep(0.2)
+    got = {os.path.basename(e["path"]): e for e in rx.of_type("end")}
+    assert set(got) == {"rel.pt", "pathlike.pt", "bytes.pt", "fileobj.pt"}
+    assert all(e["path"] == os.path.join(workdir, name) for name, e in got.items())
+    assert got["bytes.pt"]["outcome"] == "AttributeError"
+    assert got["fileobj.pt"]["bytes"] == result["told"] > 0
+    assert len(ends) == 4 and len(rx.of_type("start")) == 4
+
+
+def test_many_saves_into_one_open_file_are_one_write(rx, sock, workdir):
+    result = run_script(workdir, """
+        import json, torch, monitor
+        from monitor import hook
+        monitor.install()
+        with open("shard.distcp", "wb") as f:
+            for i in range(200):
+                torch.save(torch.full((4,), i), f)    # what torch.distributed.checkpoint does
+        with open("shard.distcp", "ab") as f:          # a new open file is a new write
+            torch.save(1, f)
+        print(json.dumps(hook.stats()))
+        """, sock)
+    assert result["reported"] == 2 and result["coalesced"] == 199
+    rx.wait_count("end", 2)
+    time.sleep(0.2)
+    assert len(rx.events) == 4
+
+
+def test_agent_absent_save_succeeds_without_waiting(workdir, sockdir):
+    missing = os.path.join(sockdir, "nobody-listens.sock")
+    started = time.monotonic()
+    result = run_script(workdir, """
+        import json, time, torch, monitor
+        from monitor.emitter import get_emitter
+        monitor.install()
+        slowest = 0.0
+        for i in range(20):
+            t0 = time.monotonic()
+            torch.save(i, "x.pt")
+            slowest = max(slowest, time.monotonic() - t0)
+        print(json.dumps({"slowest": slowest, "loaded": torch.load("x.pt"),
+                          "queued": get_emitter().stats()["queued"]}))
+        """, missing, CKPTWATCH_FLUSH_TIMEOUT="30")
+    assert result["loaded"] == 19
+    assert result["queued"] == 40             # kept for when the agent comes back
+    # Loose bounds only: no save waits for a connect (2 s socket timeout), and exit does not
+    # wait out the 30 s flush timeout when nobody listens.
+    assert result["slowest"] < 1.0
+    assert time.monotonic() - started < 25
+
+
+def test_agent_restarted_mid_run(sock, workdir):
+    script = os.path.join(workdir, "child.py")
+    with open(script, "w") as f:
+        f.write(textwrap.dedent("""
+            import sys, torch, monitor
+            monitor.install()
+            for line in sys.stdin:
+                torch.save(1, line.strip())
+                print("saved", flush=True)
+            """))
+    child = subprocess.Popen([PY, script], env=subprocess_env(CKPTWATCH_SOCKET=sock),
+                             cwd=workdir, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             text=True)
+
+    def save(name):
+        child.stdin.write(name + "\n")
+        child.stdin.flush()
+        assert child.stdout.readline().strip() == "saved"
+
+    try:
+        with Receiver(sock) as first:
+            save("before.pt")
+            first.wait_count("end", 1)
+        save("during.pt")                       # agent down
+        with Receiver(sock) as second:
+            save("after.pt")
+            second.wait_count("end", 2)
+            child.stdin.close()
+            assert child.wait(30) == 0
+            names = [os.path.basename(e["path"]) for e in second.of_type("end")]
+        assert [os.path.basename(e["path"]) for e in first.of_type("end")] == ["before.pt"]
+        assert names == ["during.pt", "after.pt"]
+    finally:
+        child.kill()
+        child.wait()
+        child.stdout.close()
+
+
+def test_fork_child_events_carry_the_child_pid(rx, sock, workdir):
+    result = run_script(workdir, """
+        import json, os, torch, monitor
+        from monitor.emitter import get_emitter
+        monitor.install()
+        torch.save(0, "parent.pt")
+        pid = os.fork()
+        if pid == 0:
+            torch.save(1, "child.pt")
+            os._exit(0 if get_emitter().flush(5) else 3)
+        _, status = os.waitpid(pid, 0)
+        print(json.dumps({"parent": os.getpid(), "child": pid,
+                          "status": os.waitstatus_to_exitcode(status)}))
+        """, sock)
+    assert result["status"] == 0
+    rx.wait_count("end", 2)
+    by_name = {os.path.basename(e["path"]): e for e in rx.of_type("end")}
+    assert by_name["parent.pt"]["pid"] == result["parent"]
+    assert by_name["child.pt"]["pid"] == result["child"]
+    assert by_name["child.pt"]["seq"] > by_name["parent.pt"]["seq"]
+    peer_of = {(e["type"], e["pid"]): p for e, p in zip(rx.events, rx.peer_pids)}
+    assert all(event_pid == peer for (_, event_pid), peer in peer_of.items())
+    assert rx.rejects == []
+
+
+def test_disabled_install_is_a_no_op(rx, sock, workdir):
+    result = run_script(workdir, """
+        import json, torch, monitor
+        from monitor import hook
+        original = torch.save
+        ok = monitor.install()
+        torch.save(1, "x.pt")
+        print(json.dumps({"ok": ok, "untouched": torch.save is original,
+                          "installed": hook.is_installed()}))
+        """, sock, CKPTWATCH_DISABLE="1")
+    assert result == {"ok": False, "untouched": True, "installed": False}
+    time.sleep(0.2)
+    assert rx.events == []
+
+
+def test_policy_warn_and_atomic_act_as_observe(rx, sock, workdir):
+    result = run_script(workdir, """
+        import json, torch, monitor
+        from monitor import hook
+        ok = monitor.install()
+        torch.save(1, "x.pt")
+        print(json.dumps({"ok": ok, "policy": hook.policy()}))
+        """, sock, CKPTWATCH_POLICY="atomic")
+    assert result == {"ok": True, "policy": "observe"}
+    assert rx.wait_count("end", 1)[0]["outcome"] == "ok"
+
+
+def test_from_torch_import_save_before_install_keeps_the_original(rx, sock, workdir):
+    # The documented limit: a name bound before the patch is not reported.
+    result = run_script(workdir, """
+        import json, torch, monitor
+        from torch import save as early_save
+        monitor.install()
+        early_save(1, "unseen.pt")
+        torch.save(1, "seen.pt")
+        print(json.dumps({}))
+        """, sock)
+    assert result == {}
+    rx.wait_count("end", 1)
+    time.sleep(0.2)
+    assert {os.path.basename(e["path"]) for e in rx.events} == {"seen.pt"}
+
+
+def test_save_path_never_imports_extra_modules(rx, sock, workdir):
+    result = run_script(workdir, """
+        import json, sys, torch, monitor
+        monitor.install()
+        torch.save(1, "x.pt")
+        print(json.dumps({m: m in sys.modules
+                          for m in ("psutil", "watchdog", "prometheus_client")}))
+        """, sock)
+    assert result == {"psutil": False, "watchdog": False, "prometheus_client": False}
+    rx.wait_count("end", 1)
