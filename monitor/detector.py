@@ -1,0 +1,530 @@
+"""Write-collision detection: start/end events -> writes -> collisions. Pure logic.
+
+No threads, sockets or clocks of its own: the agent's core loop owns one Detector, feeds it
+validated events (observe), calls tick() a few times a second and flush() at shutdown. Each
+call returns the values that became final, in order: a Write when a write finished (exactly
+once per write) and a Collision when a collision became final (exactly once).
+
+Definitions (design.md, "Definitions"):
+
+- A write is one writer's (node, pid) interval [start_mono, end_mono] on one path. Start and
+  end events are paired by (node, pid, seq). An end without a seen start stands alone (it
+  carries start_wall / start_mono). A start that never ends is closed with outcome "lost" at
+  the last time known for its process, when pid_alive says the process is gone (two checks in
+  a row, so an end event still queued in the agent is not pre-empted) or after stale_after.
+- Two writes overlap when one starts while the other is in flight: a.start <= b.start < a.end
+  for one of the two orders (an in-flight write has end = +inf, so it overlaps every later
+  start; two writes starting at the same instant overlap unless both take no time).
+  Overlap is decided on the monotonic times carried by the events, never on arrival order,
+  because each process's sender delivers asynchronously.
+- Concurrent collision: a maximal group of transitively overlapping writes on one path made by
+  two or more different writers. It is final when every write in it has ended and `settle`
+  seconds passed since the latest end, so a late-arriving start can still join it.
+- Redundant write: on one path, writes of the same job run (Writer.run_key, not None) made one
+  after another, each starting within `window` seconds of the previous one's end, by two or
+  more different writers, with no concurrent collision in between. One maximal chain is one
+  collision, final once the chain is closed: broken, or `window` + `settle` elapsed after its
+  last end (the extra `settle` lets a next start still in transit extend it).
+
+Times: due times are compared with `clock()`; an ended write counts as done at
+max(end_mono, clock at which its end was observed). The event's mono and the agent's
+time.monotonic are the same node-wide CLOCK_MONOTONIC, and taking the later of the two keeps
+`settle` a real grace period even when an end event itself arrives late.
+
+Cost: observe() of an end recomputes the groups of that one path (O(live writes on the path),
+a small number once old writes are forgotten); a start is an insertion. tick() pops due paths
+from a heap and scans only the in-flight writes (at most once per SCAN_INTERVAL).
+"""
+from __future__ import annotations
+
+import hashlib
+import heapq
+import itertools
+import time
+from bisect import insort
+from collections import OrderedDict
+from typing import Callable
+
+from monitor.model import (KIND_CONCURRENT, KIND_REDUNDANT, SCOPE_NODE, SOURCE_HOOK,
+                           Collision, Write, Writer)
+
+OUTCOME_LOST = "lost"
+# How often tick() looks at in-flight writes for dead processes and stale starts.
+SCAN_INTERVAL = 1.0
+# A redundant chain that keeps growing (two processes alternating forever) would never close:
+# report it once it holds this many writes and start a new chain.
+MAX_CHAIN_WRITES = 256
+# Keys of writes closed as "lost": their real end, if it still arrives, must not count twice.
+_LOST_KEYS_CAP = 65536
+_INF = float("inf")
+
+
+class _Entry:
+    """One write being tracked (mutable until it ends; `write` is its final value)."""
+
+    __slots__ = ("writer", "path", "seq", "start_wall", "start_mono", "end_wall", "end_mono",
+                 "bytes", "outcome", "site", "func", "order", "seen_at", "done_at",
+                 "last_mono", "last_wall", "write", "dropped")
+
+    def __init__(self, writer: Writer, path: str, seq: int, start_wall: float,
+                 start_mono: float, site, func, order: int, seen_at: float):
+        self.writer = writer
+        self.path = path
+        self.seq = seq
+        self.start_wall = start_wall
+        self.start_mono = start_mono
+        self.end_wall = None
+        self.end_mono = None
+        self.bytes = None
+        self.outcome = None
+        self.site = site
+        self.func = func
+        self.order = order
+        self.seen_at = seen_at
+        self.done_at = None
+        self.last_mono = start_mono
+        self.last_wall = start_wall
+        self.write = None
+        self.dropped = False
+
+    @property
+    def key(self) -> tuple:
+        return (self.writer.node, self.writer.pid, self.seq)
+
+    @property
+    def stop(self) -> float:
+        """End of the interval for overlap purposes (+inf while in flight)."""
+        if self.end_mono is None:
+            return _INF
+        return max(self.end_mono, self.start_mono)
+
+    def finish(self, end_wall: float, end_mono: float, nbytes, outcome: str, now: float) -> Write:
+        self.end_wall, self.end_mono = end_wall, end_mono
+        self.bytes, self.outcome = nbytes, outcome
+        self.done_at = max(end_mono, now)
+        self.write = Write(writer=self.writer, path=self.path, seq=self.seq,
+                           start_wall=self.start_wall, start_mono=self.start_mono,
+                           end_wall=end_wall, end_mono=end_mono, bytes=nbytes, outcome=outcome,
+                           site=self.site, func=self.func, source=SOURCE_HOOK)
+        return self.write
+
+
+def _sort_key(entry: _Entry) -> tuple:
+    return (entry.start_mono, entry.order)
+
+
+def _sweep_key(entry: _Entry) -> tuple:
+    # Longest first among equal starts, so a sweep on "start < stop so far" sees exactly the
+    # symmetric overlap relation.
+    return (entry.start_mono, -entry.stop, entry.order)
+
+
+class _Group:
+    """A maximal set of transitively overlapping writes on one path."""
+
+    __slots__ = ("entries", "start", "stop", "writers", "in_flight", "done_at")
+
+    def __init__(self, entry: _Entry):
+        self.entries = [entry]
+        self.start = entry.start_mono
+        self.stop = entry.stop
+        self.writers = {entry.writer.key}
+        self.in_flight = entry.end_mono is None
+        self.done_at = entry.done_at if entry.done_at is not None else -_INF
+
+    def add(self, entry: _Entry) -> None:
+        self.entries.append(entry)
+        self.stop = max(self.stop, entry.stop)
+        self.writers.add(entry.writer.key)
+        if entry.end_mono is None:
+            self.in_flight = True
+        else:
+            self.done_at = max(self.done_at, entry.done_at)
+
+    @property
+    def concurrent(self) -> bool:
+        return len(self.writers) >= 2
+
+    @property
+    def runs(self) -> set:
+        return {e.writer.run_key for e in self.entries} - {None}
+
+
+def group_writes(entries: list) -> list:
+    """Split writes into maximal overlap groups (a sort, nearly free here, and one sweep)."""
+    groups: list[_Group] = []
+    current = None
+    for entry in sorted(entries, key=_sweep_key):
+        if current is not None and entry.start_mono < current.stop:
+            current.add(entry)
+        else:
+            current = _Group(entry)
+            groups.append(current)
+    return groups
+
+
+class _Barrier:
+    """Where a reported concurrent collision was: it still breaks redundant chains."""
+
+    __slots__ = ("start", "runs", "expire_at")
+
+    def __init__(self, start: float, runs: set, expire_at: float):
+        self.start, self.runs, self.expire_at = start, runs, expire_at
+
+
+class _Chain:
+    """Solo groups of one job run on one path, each within the window of the previous."""
+
+    __slots__ = ("groups", "writers", "closed", "provisional", "size")
+
+    def __init__(self, group: _Group):
+        self.groups = [group]
+        self.writers = set(group.writers)
+        self.closed = False
+        # Broken by a group that is still in flight: that write may yet end before the
+        # group's other writes started, so the break is not final.
+        self.provisional = False
+        self.size = len(group.entries)
+
+    def add(self, group: _Group) -> None:
+        self.groups.append(group)
+        self.writers |= group.writers
+        self.size += len(group.entries)
+
+    @property
+    def last(self) -> _Group:
+        return self.groups[-1]
+
+
+class _PathState:
+    __slots__ = ("path", "entries", "barriers", "due")
+
+    def __init__(self, path: str):
+        self.path = path
+        self.entries: list[_Entry] = []     # sorted by (start_mono, order)
+        self.barriers: list[_Barrier] = []
+        self.due = None                     # the earliest due time pushed on the heap
+
+
+def collision_id(path: str, first_start_wall: float) -> str:
+    """Stable short id of a collision: the same path and first start give the same id."""
+    digest = hashlib.sha1(f"{path}\0{first_start_wall!r}".encode("utf-8", "surrogatepass"))
+    return digest.hexdigest()[:16]
+
+
+class Detector:
+    """Turns start/end events into Writes and Collisions. See the module docstring."""
+
+    def __init__(self, window: float = 60.0, settle: float = 1.0, stale_after: float = 3600.0,
+                 max_paths: int = 10000, clock: Callable[[], float] = time.monotonic,
+                 wall_clock: Callable[[], float] = time.time,
+                 pid_alive: Callable[[str, int], bool] | None = None):
+        if window < 0 or settle < 0 or stale_after <= 0 or max_paths < 1:
+            raise ValueError("window and settle must be >= 0, stale_after > 0, max_paths >= 1")
+        self._window = float(window)
+        self._settle = float(settle)
+        # A finished write is kept this long for late events and chains, then forgotten.
+        self._linger = max(self._window, self._settle)
+        self._stale_after = float(stale_after)
+        self._max_paths = int(max_paths)
+        self._clock = clock
+        self._wall_clock = wall_clock
+        self._pid_alive = pid_alive
+        self._paths: OrderedDict[str, _PathState] = OrderedDict()   # least recent first
+        self._open: dict[tuple, _Entry] = {}
+        self._open_by_proc: dict[tuple, set] = {}
+        self._active: dict[str, int] = {}
+        self._lost_keys: OrderedDict[tuple, None] = OrderedDict()
+        self._suspects: set = set()
+        self._next_scan = -_INF
+        self._due_heap: list = []
+        self._order = itertools.count()
+        self._evicted = 0
+
+    # ------------------------------------------------------------------ public API
+
+    @property
+    def tracked_paths(self) -> int:
+        """Paths with writes, in-flight writes or pending groups held in memory."""
+        return len(self._paths)
+
+    @property
+    def evicted_paths_total(self) -> int:
+        """Paths dropped (after finalizing what they held) to stay within max_paths."""
+        return self._evicted
+
+    def active_writes(self) -> dict:
+        """In-flight writes per job label ("" for an unknown job)."""
+        return dict(self._active)
+
+    def observe(self, event: dict) -> list:
+        """Ingest one validated event; return the Writes and Collisions it made final."""
+        kind = event.get("type")
+        if kind not in ("start", "end"):
+            return []
+        now = self._clock()
+        out: list = []
+        key = (event["node"], event["pid"], event["seq"])
+        self._note_process_time(key[:2], event)
+        if kind == "start":
+            self._start(key, event, now, out)
+        else:
+            self._end(key, event, now, out)
+        return out
+
+    def tick(self) -> list:
+        """Close dead or stale writes and finalize groups whose time has come."""
+        now = self._clock()
+        out: list = []
+        dirty: dict[str, _PathState] = {}
+        if now >= self._next_scan:
+            self._next_scan = now + SCAN_INTERVAL
+            self._scan_in_flight(now, out, dirty)
+        while self._due_heap and self._due_heap[0][0] <= now:
+            due, _, path = heapq.heappop(self._due_heap)
+            state = self._paths.get(path)
+            if state is not None and state.due == due:
+                state.due = None
+                dirty[path] = state
+        for state in dirty.values():
+            self._update(state, now, out)
+        return out
+
+    def flush(self) -> list:
+        """Finalize everything (at shutdown): in-flight writes end as "lost"."""
+        now = self._clock()
+        out: list = []
+        for state in list(self._paths.values()):
+            self._finalize_path(state, now, out)
+        self._paths.clear()
+        self._due_heap.clear()
+        return out
+
+    # ------------------------------------------------------------------ events
+
+    def _note_process_time(self, proc: tuple, event: dict) -> None:
+        # Any event of a process tells us it was alive then: the "last time known" for its
+        # other in-flight writes if they are ever closed as lost.
+        keys = self._open_by_proc.get(proc)
+        if not keys:
+            return
+        mono, wall = event["mono"], event["wall"]
+        for key in keys:
+            entry = self._open[key]
+            if mono > entry.last_mono:
+                entry.last_mono, entry.last_wall = mono, wall
+
+    def _start(self, key: tuple, event: dict, now: float, out: list) -> None:
+        if key in self._open or key in self._lost_keys:
+            return   # a duplicate start, or one whose write was already closed as lost
+        state = self._state_for(event["path"], now, out)
+        entry = _Entry(Writer.from_event(event), event["path"], event["seq"], event["wall"],
+                       event["mono"], event.get("site"), event.get("func"), next(self._order),
+                       max(event["mono"], now))
+        insort(state.entries, entry, key=_sort_key)
+        self._open[key] = entry
+        self._open_by_proc.setdefault(key[:2], set()).add(key)
+        label = entry.writer.job_label
+        self._active[label] = self._active.get(label, 0) + 1
+        # No regrouping here: a start only adds an in-flight write, which delays finality;
+        # the next end (or the path's due time) recomputes the path.
+
+    def _end(self, key: tuple, event: dict, now: float, out: list) -> None:
+        if key in self._lost_keys:
+            del self._lost_keys[key]   # already returned as lost: never count it twice
+            return
+        entry = self._open.get(key)
+        if entry is None:
+            # The start was dropped (or seen before an eviction): the end stands alone.
+            state = self._state_for(event["path"], now, out)
+            entry = _Entry(Writer.from_event(event), event["path"], event["seq"],
+                           event["start_wall"], event["start_mono"], event.get("site"),
+                           event.get("func"), next(self._order), now)
+            insort(state.entries, entry, key=_sort_key)
+        else:
+            self._forget_open(entry)
+            state = self._paths[entry.path]
+            self._paths.move_to_end(entry.path)
+            if entry.site is None:
+                entry.site, entry.func = event.get("site"), event.get("func")
+        out.append(entry.finish(event["wall"], event["mono"], event.get("bytes"),
+                                event["outcome"], now))
+        self._update(state, now, out)
+
+    def _forget_open(self, entry: _Entry) -> None:
+        key = entry.key
+        del self._open[key]
+        proc = key[:2]
+        keys = self._open_by_proc[proc]
+        keys.discard(key)
+        if not keys:
+            del self._open_by_proc[proc]
+            self._suspects.discard(proc)
+        label = entry.writer.job_label
+        count = self._active[label] - 1
+        if count:
+            self._active[label] = count
+        else:
+            del self._active[label]
+
+    def _close_lost(self, entry: _Entry, now: float) -> Write:
+        self._forget_open(entry)
+        self._lost_keys[entry.key] = None
+        if len(self._lost_keys) > _LOST_KEYS_CAP:
+            self._lost_keys.popitem(last=False)
+        return entry.finish(entry.last_wall, entry.last_mono, None, OUTCOME_LOST, now)
+
+    def _scan_in_flight(self, now: float, out: list, dirty: dict) -> None:
+        suspects = set()
+        for proc in list(self._open_by_proc):
+            dead = False
+            if self._pid_alive is not None:
+                try:
+                    alive = self._pid_alive(proc[0], proc[1])
+                except Exception:    # a broken liveness probe must not lose writes
+                    alive = True
+                if not alive:
+                    # Dead on two scans in a row: its end event is not merely still queued.
+                    dead = proc in self._suspects
+                    suspects.add(proc)
+            for key in list(self._open_by_proc.get(proc, ())):
+                entry = self._open[key]
+                if dead or now - entry.seen_at >= self._stale_after:
+                    out.append(self._close_lost(entry, now))
+                    dirty[entry.path] = self._paths[entry.path]
+        self._suspects = suspects
+
+    # ------------------------------------------------------------------ paths
+
+    def _state_for(self, path: str, now: float, out: list) -> _PathState:
+        state = self._paths.get(path)
+        if state is not None:
+            self._paths.move_to_end(path)
+            return state
+        while len(self._paths) >= self._max_paths:
+            _, oldest = self._paths.popitem(last=False)
+            self._finalize_path(oldest, now, out)
+            self._evicted += 1
+        state = _PathState(path)
+        self._paths[path] = state
+        return state
+
+    def _finalize_path(self, state: _PathState, now: float, out: list) -> None:
+        """Report everything a path holds now (eviction, flush); the caller drops it."""
+        for entry in list(state.entries):
+            if entry.end_mono is None:
+                out.append(self._close_lost(entry, now))
+        self._regroup(state, now, True, out)
+
+    def _update(self, state: _PathState, now: float, out: list) -> None:
+        due = self._regroup(state, now, False, out)
+        if not state.entries and not state.barriers:
+            self._paths.pop(state.path, None)
+            return
+        if due < _INF and (state.due is None or due < state.due):
+            state.due = due
+            heapq.heappush(self._due_heap, (due, next(self._order), state.path))
+
+    def _regroup(self, state: _PathState, now: float, force: bool, out: list) -> float:
+        """Recompute a path's groups and chains, report what is final, return the next due.
+
+        force=True reports every pending group and chain regardless of time.
+        """
+        settle, window, linger = self._settle, self._window, self._linger
+        due = _INF
+        groups = group_writes(state.entries)
+        barriers = [] if force else state.barriers
+        items = list(heapq.merge(groups, barriers, key=lambda item: item.start))
+        new_barriers: list[_Barrier] = []
+        chains: dict[tuple, _Chain] = {}
+        done_chains: list[_Chain] = []
+
+        def break_chains(runs, provisional=False):
+            for run in runs:
+                chain = chains.pop(run, None)
+                if chain is not None:
+                    chain.closed = True
+                    chain.provisional = provisional
+                    done_chains.append(chain)
+
+        for item in items:
+            if isinstance(item, _Barrier):
+                break_chains(item.runs)
+                if now < item.expire_at:
+                    new_barriers.append(item)
+                    due = min(due, item.expire_at)
+                continue
+            group = item
+            if group.concurrent:
+                runs = group.runs
+                break_chains(runs, provisional=group.in_flight)
+                if group.in_flight:
+                    continue
+                if force or now >= group.done_at + settle:
+                    out.append(self._collision(KIND_CONCURRENT, state.path, group.entries))
+                    self._drop(group.entries)
+                    expire_at = group.done_at + linger
+                    if not force and now < expire_at:
+                        new_barriers.append(_Barrier(group.start, runs, expire_at))
+                        due = min(due, expire_at)
+                else:
+                    due = min(due, group.done_at + settle)
+                continue
+            run = group.entries[0].writer.run_key
+            if run is None:
+                if group.in_flight:
+                    continue
+                if force or now >= group.done_at + linger:
+                    self._drop(group.entries)
+                else:
+                    due = min(due, group.done_at + linger)
+                continue
+            chain = chains.get(run)
+            if (chain is not None and group.start - chain.last.stop <= window
+                    and chain.size < MAX_CHAIN_WRITES):
+                chain.add(group)
+            else:
+                break_chains((run,))
+                chains[run] = _Chain(group)
+
+        for chain in itertools.chain(done_chains, chains.values()):
+            due = min(due, self._settle_chain(state.path, chain, now, force, out))
+        state.barriers = new_barriers
+        state.entries = [e for e in state.entries if not e.dropped]
+        return due
+
+    def _settle_chain(self, path: str, chain: _Chain, now: float, force: bool,
+                      out: list) -> float:
+        """Report or forget a chain when it is closed; return when to look at it again."""
+        last = chain.last
+        if (last.in_flight or chain.provisional) and not force:
+            return _INF
+        settled_at = max(g.done_at for g in chain.groups) + self._settle
+        # Open until `window` after the last end, plus `settle` for a next start in transit.
+        closed_at = settled_at if chain.closed else last.done_at + self._window + self._settle
+        ready_at = max(settled_at, closed_at)
+        if force or now >= ready_at:
+            if len(chain.writers) >= 2:
+                entries = [e for g in chain.groups for e in g.entries]
+                out.append(self._collision(KIND_REDUNDANT, path, entries))
+            for group in chain.groups:
+                self._drop(group.entries)
+            return _INF
+        if len(chain.writers) == 1:
+            # The same process saving again and again is normal: forget its old saves so a
+            # long run does not grow without bound; the latest one can still start a chain.
+            for group in chain.groups[:-1]:
+                if now >= group.done_at + self._linger:
+                    self._drop(group.entries)
+        return ready_at
+
+    @staticmethod
+    def _drop(entries) -> None:
+        for entry in entries:
+            entry.dropped = True
+
+    def _collision(self, kind: str, path: str, entries: list) -> Collision:
+        writes = tuple(e.write for e in entries)    # entries come in start order
+        return Collision(path=path, kind=kind, writes=writes, scope=SCOPE_NODE,
+                         sources=(SOURCE_HOOK,), detected_wall=self._wall_clock(),
+                         id=collision_id(path, writes[0].start_wall))
