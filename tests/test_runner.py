@@ -1,0 +1,116 @@
+"""monitor.runner: `ckptwatch run` environment and exec, with real child processes."""
+import argparse
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from helpers import subprocess_env
+from monitor import runner
+from monitor.bootstrap import BOOTSTRAP_DIR
+from receiver import Receiver
+
+PY = sys.executable
+
+
+@pytest.fixture
+def sock(sockdir):
+    return os.path.join(sockdir, "agent.sock")
+
+
+def test_build_env_prepends_bootstrap_and_keeps_existing_path():
+    environ = {"PYTHONPATH": f"/a{os.pathsep}/b", "HOME": "/home/x"}
+    env = runner.build_env(environ, "/run/agent.sock")
+    assert env["PYTHONPATH"].split(os.pathsep) == [BOOTSTRAP_DIR, "/a", "/b"]
+    assert env["CKPTWATCH_SOCKET"] == "/run/agent.sock"
+    assert env["HOME"] == "/home/x"
+    assert environ == {"PYTHONPATH": f"/a{os.pathsep}/b", "HOME": "/home/x"}  # not mutated
+
+
+def test_build_env_without_socket_or_pythonpath_and_nested_runs():
+    env = runner.build_env({"CKPTWATCH_SOCKET": "/keep.sock"})
+    assert env["PYTHONPATH"] == BOOTSTRAP_DIR
+    assert env["CKPTWATCH_SOCKET"] == "/keep.sock"
+    # `ckptwatch run -- ckptwatch run -- ...` does not stack the bootstrap twice.
+    assert runner.build_env(env)["PYTHONPATH"] == BOOTSTRAP_DIR
+
+
+def test_relative_socket_is_made_absolute(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert runner.build_env({}, "agent.sock")["CKPTWATCH_SOCKET"] == str(tmp_path / "agent.sock")
+
+
+@pytest.mark.parametrize("argv", [[], ["--"]])
+def test_no_command_is_a_usage_error(argv, capsys):
+    assert runner.run(argv) == 2
+    assert "no command" in capsys.readouterr().err
+
+
+def test_unknown_command_exits_127(capsys):
+    assert runner.run(["ckptwatch-no-such-command-xyz", "arg"]) == 127
+    assert "command not found: ckptwatch-no-such-command-xyz" in capsys.readouterr().err
+
+
+def test_non_executable_file_exits_126(tmp_path, capsys):
+    target = tmp_path / "script.sh"
+    target.write_text("#!/bin/sh\n")
+    target.chmod(0o644)
+    assert runner.run([str(target)]) == 126
+    assert "cannot execute" in capsys.readouterr().err
+
+
+def test_add_arguments_and_run_args():
+    parser = argparse.ArgumentParser()
+    runner.add_arguments(parser)
+    args = parser.parse_args(["--socket", "/s.sock", "--", "ckptwatch-no-such-command-xyz"])
+    assert args.socket == "/s.sock"
+    assert runner.run_args(args) == 127
+
+
+def test_run_execs_a_real_python_child_with_the_hook_active(sock, tmp_path):
+    child_code = textwrap.dedent("""
+        import os, sys, torch
+        torch.save({"x": torch.ones(2)}, "model.pt")
+        sys.exit(3)
+        """)
+    launcher = ("import sys; from monitor.runner import run; "
+                f"sys.exit(run(sys.argv[1:], socket={sock!r}))")
+    with Receiver(sock) as rx:
+        out = subprocess.run([PY, "-c", launcher, "--", PY, "-c", child_code],
+                             env=subprocess_env(), cwd=str(tmp_path), capture_output=True,
+                             text=True, timeout=120)
+        # exec: the child's own exit status is ours.
+        assert out.returncode == 3, out.stderr
+        start, end = rx.wait_count("start", 1)[0], rx.wait_count("end", 1)[0]
+        assert end["path"] == str(tmp_path / "model.pt")
+        assert end["outcome"] == "ok" and end["bytes"] == os.path.getsize(tmp_path / "model.pt")
+        assert start["seq"] == end["seq"]
+
+
+def test_torchrun_ranks_report_their_identity(sock, tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent("""
+        import os, torch
+        torch.save({"w": torch.zeros(4)}, f"rank{os.environ['RANK']}.pt")
+        """))
+    env = runner.build_env(subprocess_env(), sock)
+    with Receiver(sock) as rx:
+        out = subprocess.run([PY, "-m", "torch.distributed.run", "--standalone",
+                              "--nproc-per-node", "2", str(script)],
+                             env=env, cwd=str(tmp_path), capture_output=True, text=True,
+                             timeout=180)
+        assert out.returncode == 0, out.stderr[-3000:]
+        ends = rx.wait_count("end", 2)
+    by_rank = {e["rank"]: e for e in ends}
+    assert sorted(by_rank) == [0, 1]
+    for rank, event in by_rank.items():
+        assert event["path"] == str(tmp_path / f"rank{rank}.pt")
+        assert (event["local_rank"], event["world_size"], event["local_world_size"],
+                event["node_rank"], event["restart"]) == (rank, 2, 2, 0, 0)
+        assert event["outcome"] == "ok"
+        assert event["master"] and event["master"].count(":") == 1
+    # Both workers belong to one run: same torchelastic run id, different processes.
+    assert by_rank[0]["job"] == by_rank[1]["job"] and by_rank[0]["job"]
+    assert by_rank[0]["pid"] != by_rank[1]["pid"]
