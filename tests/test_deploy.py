@@ -1,0 +1,450 @@
+"""Deploy assets: promtool checks, metric names against the real exporter, manifest hygiene."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+
+import pytest
+import yaml
+
+from exporters.prometheus import build_registry, MetricsState
+from helpers import REPO_ROOT
+from monitor.model import KIND_CONCURRENT, Collision, Write, Writer
+
+DEPLOY = os.path.join(REPO_ROOT, "deploy")
+PROM_DIR = os.path.join(DEPLOY, "prometheus")
+RULES = os.path.join(PROM_DIR, "ckptwatch-rules.yml")
+RULE_TESTS = os.path.join(PROM_DIR, "ckptwatch-rules.test.yml")
+PROM_CONFIG = os.path.join(PROM_DIR, "prometheus.yml")
+DASHBOARD = os.path.join(DEPLOY, "grafana", "ckptwatch-dashboard.json")
+K8S = os.path.join(DEPLOY, "kubernetes")
+UNIT = os.path.join(DEPLOY, "systemd", "ckptwatch-agent.service")
+DOCKERFILE = os.path.join(DEPLOY, "Dockerfile")
+RUNBOOK = os.path.join(REPO_ROOT, "docs", "runbook.md")
+
+ALERTS = ("CkptwatchConcurrentWriteCollision", "CkptwatchRedundantCheckpointWrites",
+          "CkptwatchEventsRejected", "CkptwatchClientEventsDropped", "CkptwatchAgentDown")
+# Series Prometheus makes itself rather than scraping them from the agent.
+PROMETHEUS_SERIES = {"up", "ALERTS", "ALERTS_FOR_STATE"}
+
+needs_promtool = pytest.mark.skipif(shutil.which("promtool") is None,
+                                    reason="promtool not installed")
+
+
+def load_yaml(path):
+    with open(path) as f:
+        return yaml.safe_load(f)
+
+
+def load_all(path):
+    with open(path) as f:
+        return [d for d in yaml.safe_load_all(f) if d is not None]
+
+
+def promtool(*args, cwd=None):
+    result = subprocess.run(["promtool", *args], capture_output=True, text=True, timeout=60,
+                            cwd=cwd)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result.stdout
+
+
+def alert_rules():
+    return [r for g in load_yaml(RULES)["groups"] for r in g["rules"] if "alert" in r]
+
+
+def dashboard():
+    with open(DASHBOARD) as f:
+        return json.load(f)
+
+
+def dashboard_exprs():
+    exprs = []
+
+    def walk(panels):
+        for p in panels:
+            exprs.extend(t["expr"] for t in p.get("targets", []) if t.get("expr"))
+            walk(p.get("panels", []))
+
+    walk(dashboard()["panels"])
+    return exprs
+
+
+# --- metric names -------------------------------------------------------------------------
+
+_KEYWORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "offset", "bool",
+             "and", "or", "unless", "inf", "nan"}
+
+
+def metric_names(expr: str) -> set[str]:
+    """Metric names a PromQL expression (or Grafana label_values query) selects."""
+    # Grafana's label_values(<selector>, <label>): only the selector names metrics.
+    grafana = re.fullmatch(r"\s*label_values\((.*),\s*\w+\s*\)\s*", expr)
+    if grafana:
+        expr = grafana.group(1)
+    names = set()
+    # {__name__=~"a|b"} selectors name their metrics in a label matcher.
+    for match in re.finditer(r'__name__\s*=~?\s*"([^"]*)"', expr):
+        names.update(n for n in match.group(1).split("|") if n)
+    text = re.sub(r'"(?:[^"\\]|\\.)*"', '""', expr)            # string literals
+    text = re.sub(r"\{[^}]*\}", " ", text)                      # label matchers
+    text = re.sub(r"\[[^\]]*\]", " ", text)                     # range durations
+    text = re.sub(r"\b(by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", " ", text)
+    text = re.sub(r"\$\{?\w+\}?", " ", text)                    # Grafana variables
+    for match in re.finditer(r"(?<![\w.$])([A-Za-z_:][\w:]*)\b(?!\s*\()", text):
+        word = match.group(1)
+        if word.lower() not in _KEYWORDS and not re.fullmatch(r"\d+[smhdwy]", word):
+            names.add(word)
+    return names
+
+
+def test_metric_name_extraction():
+    # The extractor itself must find metrics and skip functions, labels and keywords.
+    expr = ('histogram_quantile(0.9, sum by (job, le) (rate(ckptwatch_write_duration_seconds_'
+            'bucket{job=~"$job"}[$__rate_interval]))) or up{job="x"} offset 5m '
+            'unless on(job) process_open_fds')
+    assert metric_names(expr) == {"ckptwatch_write_duration_seconds_bucket", "up",
+                                  "process_open_fds"}
+    assert metric_names('label_values({__name__=~"a_total|b_total"}, job)') == {
+        "a_total", "b_total"}
+    assert metric_names("label_values(up{job=\"ckptwatch\"}, node)") == {"up"}
+
+
+@pytest.fixture(scope="module")
+def exported_names():
+    """Every sample name a real collector exports after one write and one collision."""
+    state = MetricsState()
+    writes = tuple(
+        Write(writer=Writer(node="n", pid=10 + r, rank=r, job="j"), path="/c/x.pt", seq=1,
+              start_wall=1.0, start_mono=1.0 + r / 10, end_wall=2.0, end_mono=2.0, bytes=10,
+              outcome="ok")
+        for r in range(2))
+    for w in writes:
+        state.write_finished(w)
+    state.write_finished(Write(writer=Writer(node="n", pid=99, job="j"), path="/c/y.pt",
+                               seq=2, start_wall=1.0, start_mono=1.0, end_wall=2.0,
+                               end_mono=2.0, bytes=1, outcome="OSError"))
+    state.collision(Collision(path="/c/x.pt", kind=KIND_CONCURRENT, writes=writes,
+                              detected_wall=3.0))
+    state.set_active_writes({"j": 1})
+    names = {s.name for family in build_registry(state).collect() for s in family.samples}
+    assert "ckptwatch_write_duration_seconds_bucket" in names
+    return names
+
+
+def test_rules_use_only_exported_metrics(exported_names):
+    used = set()
+    for rule in alert_rules():
+        used |= metric_names(rule["expr"])
+    assert "ckptwatch_collisions_total" in used
+    assert used - exported_names - PROMETHEUS_SERIES == set()
+
+
+def test_dashboard_uses_only_exported_metrics(exported_names):
+    board = dashboard()
+    used = set()
+    for expr in dashboard_exprs():
+        used |= metric_names(expr)
+    for var in board["templating"]["list"]:
+        query = var.get("query")
+        if isinstance(query, dict):
+            query = query.get("query", "")
+        if var["type"] == "query":
+            used |= metric_names(query)
+    assert {"ckptwatch_collisions_total", "ckptwatch_write_duration_seconds_bucket"} <= used
+    assert used - exported_names - PROMETHEUS_SERIES == set()
+
+
+# --- Prometheus rules and config ----------------------------------------------------------
+
+@needs_promtool
+def test_promtool_check_rules():
+    out = promtool("check", "rules", RULES)
+    assert f"{len(alert_rules())} rules found" in out
+
+
+@needs_promtool
+def test_promtool_test_rules():
+    promtool("test", "rules", os.path.basename(RULE_TESTS), cwd=PROM_DIR)
+
+
+@needs_promtool
+def test_promtool_check_config():
+    promtool("check", "config", PROM_CONFIG, cwd=PROM_DIR)
+
+
+def test_every_alert_is_complete_and_has_a_runbook_section():
+    rules = {r["alert"]: r for r in alert_rules()}
+    assert set(ALERTS) <= set(rules)
+    with open(RUNBOOK) as f:
+        headings = {line[3:].strip().lower() for line in f if line.startswith("## ")}
+    for name, rule in rules.items():
+        assert rule.get("for"), name
+        assert rule["labels"]["severity"] in ("critical", "warning"), name
+        annotations = rule["annotations"]
+        for key in ("summary", "description", "runbook_url"):
+            assert annotations.get(key), (name, key)
+        anchor = annotations["runbook_url"].split("#", 1)[1]
+        assert annotations["runbook_url"].startswith("docs/runbook.md#"), name
+        assert anchor in headings, f"docs/runbook.md has no section for {name}"
+    assert rules["CkptwatchConcurrentWriteCollision"]["labels"]["severity"] == "critical"
+
+
+def test_rule_tests_cover_firing_pending_and_quiet_for_every_alert():
+    tests = load_yaml(RULE_TESTS)
+    assert tests["rule_files"] == [os.path.basename(RULES)]
+    firing, quiet, pending = set(), set(), set()
+    for group in tests["tests"]:
+        for case in group.get("alert_rule_test", []):
+            (firing if case.get("exp_alerts") else quiet).add(case["alertname"])
+        for case in group.get("promql_expr_test", []):
+            for sample in case.get("exp_samples", []):
+                if 'alertstate="pending"' in sample["labels"]:
+                    pending.add(re.search(r'alertname="(\w+)"', sample["labels"]).group(1))
+    for name in ALERTS:
+        assert name in firing, f"{name}: no firing case"
+        assert name in quiet, f"{name}: no not-firing case"
+        assert name in pending, f"{name}: no pending case"
+
+
+def test_scrape_config_honors_labels_and_matches_agent_down_rule():
+    config = load_yaml(PROM_CONFIG)
+    jobs = {j["job_name"]: j for j in config["scrape_configs"]}
+    assert jobs["ckptwatch"]["honor_labels"] is True
+    down = next(r for r in alert_rules() if r["alert"] == "CkptwatchAgentDown")
+    assert 'up{job="ckptwatch"}' in down["expr"]
+    assert os.path.basename(RULES) in config["rule_files"]
+
+
+# --- Grafana ------------------------------------------------------------------------------
+
+def test_dashboard_has_fixed_uid_and_datasource_variable():
+    board = dashboard()
+    assert board["uid"] == "ckptwatch-collisions"
+    variables = {v["name"]: v for v in board["templating"]["list"]}
+    assert variables["datasource"]["type"] == "datasource"
+    assert variables["datasource"]["query"] == "prometheus"
+    for name in ("job", "node"):
+        assert variables[name]["datasource"]["uid"] == "${datasource}"
+    ids = []
+
+    def walk(panels):
+        for p in panels:
+            ids.append(p["id"])
+            if p["type"] != "row":
+                # No panel may hard-code a datasource: the variable picks it.
+                assert p["datasource"]["uid"] == "${datasource}", p["title"]
+                for t in p["targets"]:
+                    assert t["datasource"]["uid"] == "${datasource}", p["title"]
+            walk(p.get("panels", []))
+
+    walk(board["panels"])
+    assert len(ids) == len(set(ids))
+
+
+def test_dashboard_covers_collisions_writes_and_ingest():
+    exprs = dashboard_exprs()
+    joined = "\n".join(exprs)
+    for needle in ('ckptwatch_collisions_total', 'ckptwatch_last_collision_timestamp_seconds',
+                   'by (job, rank)', 'ckptwatch_write_bytes_total',
+                   'histogram_quantile(0.99', 'ckptwatch_active_writes',
+                   'ckptwatch_events_received_total', 'by (reason)',
+                   'ckptwatch_client_events_dropped_total'):
+        assert needle in joined, needle
+    # Per-training-job panels filter on the variables.
+    assert all('node=~"$node"' in e for e in exprs)
+
+
+@needs_promtool
+def test_dashboard_queries_are_valid_promql(tmp_path):
+    # promtool has no expression checker, but it parses recording rules: wrap each query.
+    values = {"$__rate_interval": "5m", "$__range": "1h", "$job": ".*", "$node": ".*"}
+    rules = []
+    for i, expr in enumerate(dashboard_exprs()):
+        for var, value in values.items():
+            expr = expr.replace(var, value)
+        assert "$" not in expr, expr
+        rules.append({"record": f"dashboard:query_{i}", "expr": expr})
+    path = tmp_path / "dashboard-rules.yml"
+    path.write_text(yaml.safe_dump({"groups": [{"name": "dashboard", "rules": rules}]}))
+    promtool("check", "rules", str(path))
+
+
+# --- Kubernetes ---------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def manifests():
+    docs = {}
+    for name in sorted(os.listdir(K8S)):
+        if name.endswith((".yaml", ".yml")):
+            docs[name] = load_all(os.path.join(K8S, name))
+            assert docs[name], name
+    return docs
+
+
+def find(manifests, kind):
+    return next(d for docs in manifests.values() for d in docs if d["kind"] == kind)
+
+
+def all_containers(pod_spec):
+    return pod_spec.get("initContainers", []) + pod_spec["containers"]
+
+
+def test_every_object_and_pod_template_is_labelled(manifests):
+    for docs in manifests.values():
+        for doc in docs:
+            assert doc["metadata"].get("labels"), (doc["kind"], doc["metadata"]["name"])
+            template = doc.get("spec", {}).get("template")
+            if template:
+                assert template["metadata"].get("labels"), doc["metadata"]["name"]
+
+
+def test_daemonset_hygiene(manifests):
+    ds = find(manifests, "DaemonSet")
+    template = ds["spec"]["template"]
+    selector = ds["spec"]["selector"]["matchLabels"]
+    assert selector.items() <= template["metadata"]["labels"].items()
+    spec = template["spec"]
+    assert spec["hostPID"] is True
+    assert spec["securityContext"]["runAsNonRoot"] is True
+    agent = next(c for c in spec["containers"] if c["name"] == "agent")
+
+    env = {e["name"]: e for e in agent["env"]}
+    assert env["CKPTWATCH_NODE"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
+    ports = {p["name"]: p["containerPort"] for p in agent["ports"]}
+    assert ports == {"metrics": 19400}
+    assert "--web.listen-address=:19400" in agent["args"]
+    for probe in ("livenessProbe", "readinessProbe"):
+        assert agent[probe]["httpGet"] == {"path": "/healthz", "port": "metrics"}
+
+    for c in all_containers(spec):
+        sc = c["securityContext"]
+        assert sc["capabilities"]["drop"] == ["ALL"], c["name"]
+        assert sc["readOnlyRootFilesystem"] is True, c["name"]
+        assert sc["allowPrivilegeEscalation"] is False, c["name"]
+        for kind in ("requests", "limits"):
+            assert {"cpu", "memory"} <= set(c["resources"][kind]), (c["name"], kind)
+    # The long-running agent gets nothing back; only the init container chowns.
+    assert "add" not in agent["securityContext"]["capabilities"]
+    assert agent["securityContext"].get("runAsUser", 65532) != 0
+
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    mounts = {m["mountPath"]: m["name"] for m in agent["volumeMounts"]}
+    assert volumes[mounts["/run/ckptwatch"]]["hostPath"]["path"] == "/run/ckptwatch"
+    assert "--ingest.socket=/run/ckptwatch/agent.sock" in agent["args"]
+    # Any host path other than the agent's own two directories is mounted read-only.
+    own = {"/run/ckptwatch", "/var/lib/ckptwatch"}
+    for m in agent["volumeMounts"]:
+        host = volumes[m["name"]].get("hostPath")
+        if host and host["path"] not in own:
+            assert m.get("readOnly") is True, m
+
+
+def test_daemonset_args_are_valid_agent_config(manifests):
+    from monitor import config
+    agent = next(c for c in find(manifests, "DaemonSet")["spec"]["template"]["spec"]
+                 ["containers"] if c["name"] == "agent")
+    cfg = config.load(agent["args"])
+    assert cfg.listen_address == ":19400"
+    assert cfg.socket == "/run/ckptwatch/agent.sock"
+
+
+def test_training_pod_example_reaches_the_agent_socket(manifests):
+    ds_spec = find(manifests, "DaemonSet")["spec"]["template"]["spec"]
+    job = find(manifests, "Job")
+    spec = job["spec"]["template"]["spec"]
+    train = spec["containers"][0]
+    assert train["command"][:3] == ["ckptwatch", "run", "--"]
+    assert "torchrun" in train["command"]
+    env = {e["name"]: e for e in train["env"]}
+    socket = env["CKPTWATCH_SOCKET"]["value"]
+    mounts = {m["mountPath"]: m["name"] for m in train["volumeMounts"]}
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    mount_dir = os.path.dirname(socket)
+    assert volumes[mounts[mount_dir]]["hostPath"]["path"] == "/run/ckptwatch"
+    assert env["CKPTWATCH_NODE"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
+    # The socket is group-owned by the agent's group; the training pod must be in it.
+    assert ds_spec["securityContext"]["runAsGroup"] in spec["securityContext"][
+        "supplementalGroups"]
+
+
+def test_podmonitor_scrapes_named_port_with_honor_labels(manifests):
+    ds = find(manifests, "DaemonSet")
+    pm = find(manifests, "PodMonitor")
+    pod_labels = ds["spec"]["template"]["metadata"]["labels"]
+    assert pm["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
+    # The job name comes from this pod label; CkptwatchAgentDown expects "ckptwatch".
+    assert pod_labels[pm["spec"]["jobLabel"]] == "ckptwatch"
+    (endpoint,) = pm["spec"]["podMetricsEndpoints"]
+    assert endpoint["port"] == "metrics" and endpoint["honorLabels"] is True
+
+
+# --- systemd and Docker -------------------------------------------------------------------
+
+def unit_settings():
+    settings: dict[str, list[str]] = {}
+    with open(UNIT) as f:
+        text = f.read().replace("\\\n", " ")
+    for line in text.splitlines():
+        line = line.strip()
+        if line and not line.startswith(("#", "[")) and "=" in line:
+            key, value = line.split("=", 1)
+            settings.setdefault(key, []).append(value.strip())
+    return settings
+
+
+def test_systemd_unit_is_hardened_and_runs_the_agent():
+    s = unit_settings()
+    exec_start = shlex.split(s["ExecStart"][0])
+    assert exec_start[1] == "agent"
+    from monitor import config
+    assert config.load(exec_start[2:]).socket == "/run/ckptwatch/agent.sock"
+    assert s["User"] == ["ckptwatch"]
+    assert s["CapabilityBoundingSet"] == [""]
+    for key, value in {"NoNewPrivileges": "yes", "ProtectSystem": "strict",
+                       "PrivateTmp": "yes", "RuntimeDirectory": "ckptwatch",
+                       "StateDirectory": "ckptwatch"}.items():
+        assert s[key] == [value], key
+    assert "ProtectProc" not in s  # the agent must see training processes in /proc
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze missing")
+def test_systemd_analyze_verify(tmp_path):
+    # verify insists that ExecStart exists: point it at this environment's ckptwatch script.
+    exe = shutil.which("ckptwatch") or os.path.join(os.path.dirname(os.sys.executable),
+                                                    "ckptwatch")
+    assert os.access(exe, os.X_OK)
+    with open(UNIT) as f:
+        text = f.read().replace("/usr/local/bin/ckptwatch", exe)
+    unit = tmp_path / "ckptwatch-agent.service"
+    unit.write_text(text)
+    result = subprocess.run(["systemd-analyze", "verify", str(unit)], capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 0 and result.stderr.strip() == "", result.stderr
+
+
+def test_dockerfile():
+    with open(DOCKERFILE) as f:
+        lines = [ln.strip() for ln in f.read().replace("\\\n", " ").splitlines()
+                 if ln.strip() and not ln.lstrip().startswith("#")]
+    instructions = [(ln.split(None, 1)[0].upper(), ln.split(None, 1)[1]) for ln in lines
+                    if ln.split(None, 1)[0].isupper()]
+    first = instructions[0]
+    assert first == ("FROM", "python:3.11-slim")
+    by_kind: dict[str, list[str]] = {}
+    for kind, arg in instructions:
+        by_kind.setdefault(kind, []).append(arg)
+    assert any("pip install ." in r for r in by_kind["RUN"])
+    user = by_kind["USER"][-1]
+    assert user.split(":")[0] not in ("root", "0")
+    assert by_kind["EXPOSE"] == ["19400"]
+    assert json.loads(by_kind["ENTRYPOINT"][-1]) == ["ckptwatch", "agent"]
+    from monitor import config
+    assert config.load(json.loads(by_kind["CMD"][-1])).listen_address == ":19400"
+    # Everything COPY'd exists in the repository (the build context is the repo root).
+    for arg in by_kind["COPY"]:
+        for src in arg.split()[:-1]:
+            assert os.path.exists(os.path.join(REPO_ROOT, src)), src
