@@ -9,6 +9,8 @@ import urllib.request
 
 import pytest
 from prometheus_client import CollectorRegistry
+from prometheus_client.openmetrics.parser import \
+    text_string_to_metric_families as openmetrics_families
 from prometheus_client.parser import text_string_to_metric_families
 
 from exporters.prometheus import (DURATION_BUCKETS, MetricsServer, MetricsState,
@@ -279,7 +281,11 @@ def test_server_speaks_openmetrics_when_asked(server):
     status, ctype, body = get(f"http://127.0.0.1:{server.port}/metrics",
                               accept="application/openmetrics-text; version=1.0.0")
     assert status == 200 and ctype.startswith("application/openmetrics-text")
-    assert body.rstrip().endswith("# EOF")
+    # Real Prometheus servers ask for OpenMetrics first; the body must parse as such.
+    families = {f.name: f for f in openmetrics_families(body)}
+    (sample,) = families["ckptwatch_collisions"].samples
+    assert sample.name == "ckptwatch_collisions_total" and sample.value == 1
+    assert families["ckptwatch_write_duration_seconds"].type == "histogram"
 
 
 def test_healthz_ok_and_unhealthy(server):
