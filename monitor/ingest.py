@@ -241,9 +241,14 @@ class IngestServer:
                 log.warning("refusing connection: %d connections open", len(self._conns))
                 sock.close()
                 continue
-            pid, _uid, _gid = _PEERCRED.unpack(
-                sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
-            sock.setblocking(False)
+            try:
+                pid, _uid, _gid = _PEERCRED.unpack(
+                    sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
+                sock.setblocking(False)
+            except OSError as exc:      # the peer vanished already
+                log.debug("dropping connection without credentials: %s", exc)
+                sock.close()
+                continue
             conn = _Conn(sock, pid)
             self._conns[sock.fileno()] = conn
             self._selector.register(sock, selectors.EVENT_READ, conn)
