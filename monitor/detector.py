@@ -31,9 +31,18 @@ max(end_mono, clock at which its end was observed). The event's mono and the age
 time.monotonic are the same node-wide CLOCK_MONOTONIC, and taking the later of the two keeps
 `settle` a real grace period even when an end event itself arrives late.
 
-Cost: observe() of an end recomputes the groups of that one path (O(live writes on the path),
-a small number once old writes are forgotten); a start is an insertion. tick() pops due paths
-from a heap and scans only the in-flight writes (at most once per SCAN_INTERVAL).
+Memory: a finished write is forgotten once nothing pending needs it -- `settle` after its end
+when it cannot take part in a redundant chain (no job run, or the same process saving again),
+otherwise when its chain closes; a reported concurrent collision leaves only a small marker
+that breaks chains for `max(window, settle)`. At most max_paths paths are tracked (the least
+recently touched one is finalized and evicted), at most MAX_PATH_WRITES writes per path (a
+storm of overlapping writes sheds its oldest finished writes as a collision), at most
+MAX_CHAIN_WRITES writes per redundant chain.
+
+Cost: observe() inserts a start into its path's list and, for an end, only schedules the path:
+nothing can become final before `settle` passes, so tick() regroups a path (O(writes held on
+it)) at most once per due time, popped from a heap, instead of once per event. tick() also
+scans the in-flight writes, at most once per SCAN_INTERVAL.
 """
 from __future__ import annotations
 
@@ -54,6 +63,9 @@ SCAN_INTERVAL = 1.0
 # A redundant chain that keeps growing (two processes alternating forever) would never close:
 # report it once it holds this many writes and start a new chain.
 MAX_CHAIN_WRITES = 256
+# A path that keeps more writes than this (a storm of overlapping writes that never all end)
+# sheds its oldest finished writes, reporting them, so memory and per-event work stay bounded.
+MAX_PATH_WRITES = 1024
 # Keys of writes closed as "lost": their real end, if it still arrives, must not count twice.
 _LOST_KEYS_CAP = 65536
 _INF = float("inf")
@@ -223,7 +235,7 @@ class Detector:
             raise ValueError("window and settle must be >= 0, stale_after > 0, max_paths >= 1")
         self._window = float(window)
         self._settle = float(settle)
-        # A finished write is kept this long for late events and chains, then forgotten.
+        # How long a reported collision still breaks redundant chains.
         self._linger = max(self._window, self._settle)
         self._stale_after = float(stale_after)
         self._max_paths = int(max_paths)
@@ -322,6 +334,8 @@ class Detector:
                        event["mono"], event.get("site"), event.get("func"), next(self._order),
                        max(event["mono"], now))
         insort(state.entries, entry, key=_sort_key)
+        if len(state.entries) > MAX_PATH_WRITES:
+            self._update(state, now, out)
         self._open[key] = entry
         self._open_by_proc.setdefault(key[:2], set()).add(key)
         label = entry.writer.job_label
@@ -349,7 +363,12 @@ class Detector:
                 entry.site, entry.func = event.get("site"), event.get("func")
         out.append(entry.finish(event["wall"], event["mono"], event.get("bytes"),
                                 event["outcome"], now))
-        self._update(state, now, out)
+        if self._settle > 0 and len(state.entries) <= MAX_PATH_WRITES:
+            # Nothing this end completes can be final before `settle` has passed, so the
+            # path is regrouped then, once for all the ends of that interval.
+            self._schedule(state, entry.done_at + self._settle)
+        else:
+            self._update(state, now, out)
 
     def _forget_open(self, entry: _Entry) -> None:
         key = entry.key
@@ -418,9 +437,15 @@ class Detector:
 
     def _update(self, state: _PathState, now: float, out: list) -> None:
         due = self._regroup(state, now, False, out)
+        if len(state.entries) > MAX_PATH_WRITES:
+            self._shed(state, now, out)
         if not state.entries and not state.barriers:
             self._paths.pop(state.path, None)
             return
+        self._schedule(state, due)
+
+    def _schedule(self, state: _PathState, due: float) -> None:
+        """Make tick() regroup the path at `due` (keeping an earlier time already set)."""
         if due < _INF and (state.due is None or due < state.due):
             state.due = due
             heapq.heappush(self._due_heap, (due, next(self._order), state.path))
@@ -474,10 +499,11 @@ class Detector:
             if run is None:
                 if group.in_flight:
                     continue
-                if force or now >= group.done_at + linger:
+                # Without a job run it can only still join a group through a late start.
+                if force or now >= group.done_at + settle:
                     self._drop(group.entries)
                 else:
-                    due = min(due, group.done_at + linger)
+                    due = min(due, group.done_at + settle)
                 continue
             chain = chains.get(run)
             if (chain is not None and group.start - chain.last.stop <= window
@@ -493,9 +519,28 @@ class Detector:
         state.entries = [e for e in state.entries if not e.dropped]
         return due
 
+    def _shed(self, state: _PathState, now: float, out: list) -> None:
+        """Report and forget the oldest finished writes of an overfull path."""
+        excess = len(state.entries) - MAX_PATH_WRITES // 2
+        for group in group_writes(state.entries):
+            if excess <= 0:
+                break
+            finished = [e for e in group.entries if e.end_mono is not None][:excess]
+            if len({e.writer.key for e in finished}) >= 2:
+                out.append(self._collision(KIND_CONCURRENT, state.path, finished))
+            self._drop(finished)
+            excess -= len(finished)
+        state.entries = [e for e in state.entries if not e.dropped]
+
     def _settle_chain(self, path: str, chain: _Chain, now: float, force: bool,
                       out: list) -> float:
         """Report or forget a chain when it is closed; return when to look at it again."""
+        if len(chain.writers) == 1 and not force:
+            # The same process saving again and again is normal: forget its old saves so a
+            # long run does not grow without bound; the latest one can still start a chain.
+            for group in chain.groups[:-1]:
+                if now >= group.done_at + self._settle:
+                    self._drop(group.entries)
         last = chain.last
         if (last.in_flight or chain.provisional) and not force:
             return _INF
@@ -510,12 +555,6 @@ class Detector:
             for group in chain.groups:
                 self._drop(group.entries)
             return _INF
-        if len(chain.writers) == 1:
-            # The same process saving again and again is normal: forget its old saves so a
-            # long run does not grow without bound; the latest one can still start a chain.
-            for group in chain.groups[:-1]:
-                if now >= group.done_at + self._linger:
-                    self._drop(group.entries)
         return ready_at
 
     @staticmethod

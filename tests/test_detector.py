@@ -481,3 +481,24 @@ def test_random_intervals_match_brute_force_reference(seed):
         assert {p for p, _ in got_keys} == {p for p, _ in ref}
     assert sorted((w.writer.pid, w.seq) for w in writes(out)) == sorted(
         (w["pid"], w["seq"]) for w in ws)
+
+
+def test_a_storm_of_overlapping_writes_stays_bounded(monkeypatch):
+    import monitor.detector
+    MAX_PATH_WRITES = 64
+    monkeypatch.setattr(monitor.detector, "MAX_PATH_WRITES", MAX_PATH_WRITES)
+    clock = FakeClock(0.0)
+    det = make(clock)
+    out = []
+    # Two writers alternate so that one of them is always in flight: one endless group.
+    n = MAX_PATH_WRITES * 3
+    out += feed(det, clock, [(0.0, start(1, 0, 0.0))])
+    for i in range(1, n):
+        t = float(i)
+        pid = 1 + i % 2
+        out += feed(det, clock, [(t, start(pid, i, t)), (t + 0.5, end(3 - pid, i - 1, t + 0.5, t - 1))])
+        assert len(next(iter(det._paths.values())).entries) <= MAX_PATH_WRITES + 1
+    out += det.flush()
+    seen = [(w.writer.pid, w.seq) for c in collisions(out) for w in c.writes]
+    assert len(seen) == len(set(seen)) == n
+    assert len(collisions(out)) >= 2
