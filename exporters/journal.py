@@ -1,0 +1,237 @@
+"""The JSONL journal: one line per finished write and per collision, with size rotation.
+
+Written by the agent's core loop (one thread), read by `ckptwatch report`. Records are built
+by monitor/model.py (to_record) so the writer and the reader never drift apart; each line also
+gets "ts", the wall time it was written.
+
+Failure policy: constructing a Journal on a path that cannot be opened raises JournalError
+(an OSError) so the agent can report a configuration error at start. After that, a failing
+write (disk full, permissions changed, file system gone) is counted in `errors` and never
+raised: losing a journal line must not stop detection or metrics.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+from monitor.model import Collision, Write
+
+SYSTEM_JOURNAL_PATH = "/var/lib/ckptwatch/journal.jsonl"
+DEFAULT_JOURNAL_PATH = SYSTEM_JOURNAL_PATH
+DEFAULT_MAX_BYTES = 64 * 1024 * 1024
+DEFAULT_BACKUPS = 5
+
+
+class JournalError(OSError):
+    """The journal file cannot be created or opened (a configuration error)."""
+
+
+def default_journal_path(environ=None, euid: int | None = None) -> str:
+    """/var/lib/ckptwatch/journal.jsonl for root (or when that directory is writable),
+    else $XDG_STATE_HOME/ckptwatch/journal.jsonl, else ~/.local/state/ckptwatch/journal.jsonl.
+    """
+    env = os.environ if environ is None else environ
+    uid = os.geteuid() if euid is None else euid
+    system_dir = os.path.dirname(SYSTEM_JOURNAL_PATH)
+    if uid == 0 or (os.path.isdir(system_dir) and os.access(system_dir, os.W_OK)):
+        return SYSTEM_JOURNAL_PATH
+    state = env.get("XDG_STATE_HOME") or os.path.join(
+        env.get("HOME") or os.path.expanduser("~"), ".local", "state")
+    return os.path.join(state, "ckptwatch", "journal.jsonl")
+
+
+def to_record(item) -> dict:
+    """The journal record of a Write, a Collision, or a dict that already has a "type"."""
+    if isinstance(item, Write):
+        return {"type": "write", **item.to_record()}
+    if isinstance(item, Collision):
+        return item.to_record()
+    if isinstance(item, dict) and isinstance(item.get("type"), str):
+        return dict(item)
+    raise TypeError(f"cannot journal {type(item).__name__}")
+
+
+def _last_byte(path: str) -> bytes:
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(-1, os.SEEK_END)
+            return fh.read(1)
+    except OSError:
+        return b"\n"     # unreadable or not seekable (a device): nothing to repair
+
+
+class Journal:
+    """Appends JSON lines to `path`, rotating path -> path.1 -> ... path.<backups>.
+
+    backups=0 keeps no old file: the journal is truncated when it reaches max_bytes.
+    Lines are flushed to the OS on every write by default (`report` may read the file while
+    the agent runs, and an agent crash must not take the last collisions with it); pass
+    buffered=True to leave flushing to flush()/close().
+    """
+
+    def __init__(self, path: str, max_bytes: int = DEFAULT_MAX_BYTES,
+                 backups: int = DEFAULT_BACKUPS, buffered: bool = False,
+                 wall_clock: Callable[[], float] = time.time):
+        if not isinstance(max_bytes, int) or max_bytes <= 0:
+            raise ValueError(f"journal max_bytes must be a positive integer, got {max_bytes!r}")
+        if not isinstance(backups, int) or backups < 0:
+            raise ValueError(f"journal backups must be an integer >= 0, got {backups!r}")
+        self.path = os.path.abspath(path)
+        self.max_bytes = max_bytes
+        self.backups = backups
+        self.buffered = buffered
+        self.errors = 0          # lines lost to write/rotation errors since construction
+        self.records = 0         # lines written
+        self.rotations = 0
+        self._wall_clock = wall_clock
+        self._fh = None
+        self._size = 0
+        try:
+            os.makedirs(os.path.dirname(self.path), exist_ok=True)
+            self._open("a")
+        except OSError as exc:
+            raise JournalError(exc.errno, f"cannot open journal {self.path}: "
+                                          f"{exc.strerror or exc}") from exc
+
+    def _open(self, mode: str) -> None:
+        if os.path.isdir(self.path):
+            raise IsADirectoryError(21, "is a directory")
+        self._fh = open(self.path, mode, encoding="utf-8")
+        self._size = os.fstat(self._fh.fileno()).st_size
+        if mode == "a" and self._size > 0:
+            # A crash or a failed write may have left half a line: end it, so the next
+            # record does not glue onto it and get skipped as malformed too.
+            last = _last_byte(self.path)
+            if last != b"\n":
+                self._fh.write("\n")
+                self._fh.flush()
+                self._size += 1
+
+    def write(self, item) -> bool:
+        """Append one record; return False (and count it in `errors`) if it was lost.
+
+        Raises TypeError only for an item that is not a Write, Collision or typed dict.
+        """
+        record = to_record(item)
+        record["ts"] = self._wall_clock()
+        # default=str: one odd value (a path-like, a numpy scalar) must not lose the line.
+        line = json.dumps(record, separators=(",", ":"), default=str) + "\n"
+        size = len(line.encode("utf-8"))
+        try:
+            if self._fh is None:
+                self._open("a")     # a previous rotation or write failed: try again
+            if self._size > 0 and self._size + size > self.max_bytes:
+                self._rotate()
+            self._fh.write(line)
+            if not self.buffered:
+                self._fh.flush()
+        except (OSError, ValueError):
+            self.errors += 1
+            self._discard()
+            return False
+        self._size += size
+        self.records += 1
+        return True
+
+    def _rotate(self) -> None:
+        self._fh.close()
+        self._fh = None
+        if self.backups == 0:
+            self._open("w")
+        else:
+            # Oldest first, so no rename overwrites a file that is still to be moved.
+            for index in range(self.backups - 1, 0, -1):
+                older = f"{self.path}.{index}"
+                if os.path.exists(older):
+                    os.replace(older, f"{self.path}.{index + 1}")
+            os.replace(self.path, f"{self.path}.1")
+            self._open("a")
+        self.rotations += 1
+
+    def _discard(self) -> None:
+        # Drop the handle after an error: its buffer may hold a partial line, and reopening
+        # on the next write recovers from a deleted directory or a remounted file system.
+        fh, self._fh = self._fh, None
+        if fh is not None:
+            try:
+                fh.close()
+            except (OSError, ValueError):
+                pass
+
+    def flush(self) -> None:
+        """Push buffered lines to the OS; errors are counted, not raised."""
+        if self._fh is None:
+            return
+        try:
+            self._fh.flush()
+        except (OSError, ValueError):
+            self.errors += 1
+            self._discard()
+
+    def close(self) -> None:
+        """Flush and close. Idempotent; a later write() reopens the file."""
+        self.flush()
+        self._discard()
+
+    def __enter__(self) -> "Journal":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+@dataclass
+class ReadStats:
+    """What read_records saw: files read, records returned, malformed lines skipped."""
+
+    files: int = 0
+    records: int = 0
+    malformed: int = 0
+
+
+def journal_files(path: str) -> list[str]:
+    """The rotated files (oldest first) then the current one, those that exist."""
+    pattern = re.compile(re.escape(os.path.basename(path)) + r"\.(\d+)$")
+    rotated = []
+    for candidate in glob.glob(glob.escape(path) + ".*"):
+        match = pattern.match(os.path.basename(candidate))
+        if match:
+            rotated.append((int(match.group(1)), candidate))
+    files = [name for _, name in sorted(rotated, reverse=True)]
+    if os.path.exists(path):
+        files.append(path)
+    return files
+
+
+def read_records(path: str, stats: ReadStats | None = None) -> Iterator[dict]:
+    """Yield every record of a journal, rotated files first (oldest first).
+
+    Lines that are not a JSON object (a partial last line while the agent writes, a corrupt
+    block) are skipped and counted in stats.malformed. A missing journal yields nothing; a
+    journal that exists but cannot be read raises OSError.
+    """
+    stats = stats if stats is not None else ReadStats()
+    for name in journal_files(path):
+        try:
+            fh = open(name, encoding="utf-8", errors="replace")
+        except FileNotFoundError:
+            continue      # rotated away between listing and opening
+        stats.files += 1
+        with fh:
+            for line in fh:
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except ValueError:
+                    record = None
+                if not isinstance(record, dict) or not isinstance(record.get("type"), str):
+                    stats.malformed += 1
+                    continue
+                stats.records += 1
+                yield record
