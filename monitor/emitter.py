@@ -40,6 +40,7 @@ SEND_TIMEOUT = 2.0            # an agent that stops reading must not wedge the s
 BACKOFF_MIN = 0.05
 BACKOFF_MAX = 1.0
 IDLE_WAIT = 5.0               # periodic wake-up; a lost wake-up costs at most this long
+LINGER = 0.02                 # after a wake-up, collect events this long before sending
 
 _live: "weakref.WeakSet[Emitter]" = weakref.WeakSet()
 
@@ -86,8 +87,12 @@ class Emitter:
 
     # ---- caller side (the save path) -------------------------------------------------------
 
-    def emit(self, event: dict) -> None:
-        """Queue one event for sending. Never blocks on I/O, never raises."""
+    def emit(self, event) -> None:
+        """Queue one event for sending. Never blocks on I/O, never raises.
+
+        `event` is a dict, or a tuple (builder, *args) for which the sender thread calls
+        builder(*args) to get the dict — this keeps dict building off the caller's hot path.
+        """
         try:
             if self._thread is None:
                 self._start()
@@ -182,6 +187,12 @@ class Emitter:
             if not self._has_work() and not self._stopping:
                 self._wake.wait(IDLE_WAIT)
             self._idle = False
+            # Linger so that one wake-up and one sendall serve many saves: the sender's work
+            # runs while the saving thread releases the GIL in file I/O, and done once per
+            # save it would lengthen every save. flush() and shutdown() cut the linger short.
+            self._wake.clear()
+            if not self._stopping and self._flush_gen == self._forced_gen:
+                self._wake.wait(LINGER)
             return
         if self._sock is None and not self._connect():
             self._wait_backoff()
@@ -215,9 +226,12 @@ class Emitter:
         while queue and len(frames) < BATCH_MAX:
             event = queue.popleft()
             try:
+                if type(event) is tuple:
+                    event = event[0](*event[1:])
                 frames.append(events.encode(event))
-            except (ValueError, TypeError):
-                # Too large for one frame or not JSON-serialisable: dropped and counted.
+            except Exception:
+                # Too large for one frame, not JSON-serialisable, or a failing builder:
+                # dropped and counted.
                 self._count_drop()
         self._batch = frames
 

@@ -186,14 +186,22 @@ def uninstall() -> bool:
 
 # ---- the save path --------------------------------------------------------------------------
 
+def _absolute(path: str) -> str:
+    # Fast path: an absolute path without "." or ".." parts, "//" or a trailing "/" is already
+    # what os.path.abspath would return; abspath costs far more on the save path.
+    if path[:1] == "/" and "/." not in path and "//" not in path and path[-1:] != "/":
+        return path
+    return os.path.abspath(path)
+
+
 def _target_path(f):
-    """(absolute path, file object or None), or None if this save is not reported."""
+    """(absolute path, file object or None); None if not a file write, False if coalesced."""
     if isinstance(f, str):
-        return os.path.abspath(f), None
+        return _absolute(f), None
     if isinstance(f, bytes):
-        return os.path.abspath(os.fsdecode(f)), None
+        return _absolute(os.fsdecode(f)), None
     if isinstance(f, os.PathLike):
-        return os.path.abspath(os.fsdecode(os.fspath(f))), None
+        return _absolute(os.fsdecode(os.fspath(f))), None
     name = getattr(f, "name", None)
     if not isinstance(name, str) or not name or name.startswith("<"):
         return None
@@ -204,7 +212,7 @@ def _target_path(f):
     if _already_reported(f, fileno):
         _counters["coalesced"] += 1
         return False
-    return os.path.abspath(name), f
+    return _absolute(name), f
 
 
 def _already_reported(f, fileno: int) -> bool:
@@ -221,8 +229,8 @@ def _already_reported(f, fileno: int) -> bool:
         return False
 
 
-def _call_site(frame):
-    """("file:line", function) of the first frame outside torch and monitor."""
+def _caller(frame):
+    """The first frame outside torch and monitor, or None."""
     internal = _internal_code
     torch_dir = _torch_dir or "\0"
     while frame is not None:
@@ -234,9 +242,48 @@ def _call_site(frame):
             if len(internal) < 4096:
                 internal[code] = skip
         if not skip:
-            return f"{code.co_filename}:{frame.f_lineno}", code.co_name
+            return frame
         frame = frame.f_back
-    return None, None
+    return None
+
+
+# The save path hands the emitter a tuple (builder, args...) instead of a finished dict: the
+# sender thread calls the builder, so dict building and string formatting stay off the save
+# path. `pending` = (identity, seq, path, code, line, wall, mono).
+
+_emit = None
+
+
+def _bind_emit():
+    # Bound once: the emitter singleton survives fork (it re-initialises itself in place).
+    global _emit
+    _emit = _emitter_mod.get_emitter().emit
+    return _emit
+
+
+def _start_event(pending) -> dict:
+    ident, seq, path, code, line, wall, mono = pending
+    event = {"v": SCHEMA_VERSION, "type": "start"}
+    event.update(ident)
+    event["seq"] = seq
+    event["path"] = path
+    event["site"] = f"{code.co_filename}:{line}" if code is not None else None
+    event["func"] = code.co_name if code is not None else None
+    event["wall"] = wall
+    event["mono"] = mono
+    return event
+
+
+def _end_event(pending, wall, mono, size, outcome) -> dict:
+    event = _start_event(pending)
+    event["type"] = "end"
+    event["start_wall"] = event["wall"]
+    event["start_mono"] = event["mono"]
+    event["wall"] = wall
+    event["mono"] = mono
+    event["bytes"] = size
+    event["outcome"] = outcome
+    return event
 
 
 def _begin(args, kwargs):
@@ -247,21 +294,23 @@ def _begin(args, kwargs):
             _counters["unreported"] += 1
         return None
     path, fileobj = target
-    site, func = _call_site(sys._getframe(2))
-    event = {"v": SCHEMA_VERSION, "type": "start", **identity(), "seq": next(_seq),
-             "path": path, "site": site, "func": func,
-             "wall": time.time(), "mono": time.monotonic()}
-    _emitter_mod.get_emitter().emit(event)
+    frame = _caller(sys._getframe(2))
+    if frame is None:
+        code = line = None
+    else:
+        code, line = frame.f_code, frame.f_lineno
+    pending = (identity(), next(_seq), path, code, line, time.time(), time.monotonic())
+    (_emit or _bind_emit())((_start_event, pending))
     _counters["reported"] += 1
-    return event, fileobj
+    return pending, fileobj
 
 
-def _finish(pending, outcome: str) -> None:
+def _finish(started, outcome: str) -> None:
     try:
-        start, fileobj = pending
+        pending, fileobj = started
         if fileobj is None:
             try:
-                size = os.stat(start["path"]).st_size
+                size = os.stat(pending[2]).st_size
             except OSError:
                 size = None
         else:
@@ -269,14 +318,9 @@ def _finish(pending, outcome: str) -> None:
                 size = fileobj.tell()
             except Exception:
                 size = None
-        end = dict(start)
-        end["type"] = "end"
-        end["start_wall"] = start["wall"]
-        end["start_mono"] = start["mono"]
-        end["wall"] = time.time()
-        end["mono"] = time.monotonic()
-        end["bytes"] = size if isinstance(size, int) else None
-        end["outcome"] = outcome
-        _emitter_mod.get_emitter().emit(end)
+            if not isinstance(size, int):
+                size = None
+        (_emit or _bind_emit())(
+            (_end_event, pending, time.time(), time.monotonic(), size, outcome))
     except Exception:
         _counters["errors"] += 1

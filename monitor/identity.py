@@ -72,7 +72,9 @@ def _distributed_rank() -> tuple[int, int] | None:
     if dist is None:
         return None
     try:
-        if dist.is_available() and dist.is_initialized():
+        # is_initialized only exists when torch was built with distributed support.
+        is_initialized = getattr(dist, "is_initialized", None)
+        if is_initialized is not None and is_initialized():
             return dist.get_rank(), dist.get_world_size()
     except Exception:
         return None
