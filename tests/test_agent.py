@@ -9,11 +9,6 @@ import sys
 
 import pytest
 
-# The agent needs the detector and the journal/log exporters; until they are in the tree these
-# end-to-end tests skip (visibly, with -ra) instead of failing on an import error.
-for _module in ("monitor.detector", "exporters.journal", "exporters.logline"):
-    pytest.importorskip(_module)
-
 from agentproc import EventSender, launch_agent, start_agent
 from helpers import wait_for
 from monitor import events
@@ -200,3 +195,17 @@ def test_health_fails_when_ingest_thread_is_gone(tmp_path, sockdir, no_thread_le
     finally:
         ingest.stop()
     assert health() == (False, "ingest thread is not running")
+
+
+def test_unusable_journal_path_exits_1(workdir):
+    blocker = os.path.join(workdir, "not-a-dir")
+    with open(blocker, "w") as fh:
+        fh.write("x")
+    agent = launch_agent(workdir, "--journal.path", os.path.join(blocker, "journal.jsonl"))
+    try:
+        agent.proc.wait(30)
+        assert agent.proc.returncode == 1
+        assert "cannot open journal " + os.path.join(blocker, "journal.jsonl") in agent.log
+        assert not os.path.exists(agent.socket)
+    finally:
+        agent.close()
