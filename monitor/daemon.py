@@ -48,7 +48,10 @@ class Exporters:
         for item in items:
             if isinstance(item, Collision):
                 self.state.collision(item)
-                log.warning("%s", collision_message(item))
+                try:
+                    log.warning("%s", collision_message(item))
+                except Exception:
+                    log.exception("cannot format collision on %r", item.path)
             elif isinstance(item, Write):
                 self.state.write_finished(item)
             if not self.journal.write(item):     # never raises; a lost line is counted
@@ -153,7 +156,14 @@ def _handle(batch: list[dict], detector: Detector, outputs: Exporters,
         if event["type"] == "dropped":
             state.client_dropped(event["count"])
         else:
-            outputs.publish(detector.observe(event))
+            try:
+                items = detector.observe(event)
+            except Exception:
+                # A detector bug on one event must not stop the agent for every other one.
+                log.exception("detector failed on a %s event for %r", event["type"],
+                              event.get("path"))
+                continue
+            outputs.publish(items)
 
 
 def _drain(inbox, detector, outputs, state) -> None:
