@@ -1,0 +1,307 @@
+"""`ckptwatch report`: who wrote which checkpoint path when, and how to fix it.
+
+Reads the agent's journal (exporters/journal.py), rebuilds the collisions (monitor/model.py)
+and renders them for an 80-column terminal (table) or for tools (json). The CLI wires it in
+with add_arguments(parser) and run(args).
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import textwrap
+import time
+from dataclasses import dataclass, field
+
+from exporters.journal import (SYSTEM_JOURNAL_PATH, ReadStats, default_journal_path,
+                               read_records)
+from exporters.logline import call_sites, clean
+from monitor.model import KIND_CONCURRENT, Collision, Write
+
+EXIT_OK = 0
+EXIT_NO_JOURNAL = 2
+
+GUARD_FIX = ("guard this call site with a global-rank-0 check "
+             "(torch.distributed.get_rank() == 0)")
+LOCAL_RANK_NOTE = ("note LOCAL_RANK == 0 is one writer per node, still colliding on shared "
+                   "storage")
+OWN_PATH_FIX = "give each rank its own path"
+
+
+@dataclass
+class JournalSummary:
+    """What a journal holds: its collisions (oldest first) and how many writes it recorded."""
+
+    collisions: list = field(default_factory=list)
+    writes: int = 0
+    malformed: int = 0          # lines or records that could not be read
+    files: int = 0
+
+
+def summarize(journal_path: str) -> JournalSummary:
+    """Read a journal (rotated files too). Raises OSError if it exists but cannot be read."""
+    stats = ReadStats()
+    summary = JournalSummary()
+    seen = set()
+    for record in read_records(journal_path, stats):
+        kind = record.get("type")
+        if kind == "write":
+            summary.writes += 1
+        elif kind == "collision":
+            try:
+                collision = Collision.from_record(record)
+            except (KeyError, TypeError, ValueError, AttributeError):
+                summary.malformed += 1
+                continue
+            # The same collision journaled twice (e.g. by two exporters) is shown once.
+            key = (collision.id, collision.kind, collision.scope)
+            if collision.id and key in seen:
+                continue
+            seen.add(key)
+            summary.collisions.append(collision)
+    summary.malformed += stats.malformed
+    summary.files = stats.files
+    return summary
+
+
+def load(journal_path: str) -> list:
+    """The collisions recorded in a journal, oldest first."""
+    return summarize(journal_path).collisions
+
+
+# ---------------------------------------------------------------------------- formatting
+
+def human_bytes(n) -> str:
+    """4096 -> 4.0KiB; None -> "-"."""
+    if n is None:
+        return "-"
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{int(value)}B" if unit == "B" else f"{value:.1f}{unit}"
+        value /= 1024
+    return f"{n}B"   # unreachable
+
+
+def clock_time(wall: float) -> str:
+    """HH:MM:SS.mmm in local time."""
+    ms = int(round((wall % 1) * 1000))
+    seconds = int(wall)
+    if ms == 1000:
+        seconds, ms = seconds + 1, 0
+    return time.strftime("%H:%M:%S", time.localtime(seconds)) + f".{ms:03d}"
+
+
+def keep_tail(text: str, width: int) -> str:
+    """The text, or "..." + its tail when longer than width (the end of a path says most)."""
+    text = clean(text)
+    if len(text) <= width:
+        return text
+    if width <= 3:
+        return text[-width:]
+    return "..." + text[-(width - 3):]
+
+
+def keep_head(text: str, width: int) -> str:
+    text = clean(text)
+    if len(text) <= width:
+        return text
+    return text[:max(0, width - 3)] + "..."[:width]
+
+
+def _duration(w: Write) -> str:
+    if w.duration is None:
+        return "open"
+    return f"{w.duration:.2f}s" if w.duration < 100 else f"{w.duration:.0f}s"
+
+
+def _site(w: Write) -> str:
+    return w.site or "?"
+
+
+def _who(w: Write) -> str:
+    return f"{clean(w.writer.label)} (pid {w.writer.pid})"
+
+
+def suggest_fix(c: Collision) -> str:
+    """What to change in the training code, from who wrote and from where."""
+    writers = c.writers
+    jobs = {w.job for w in writers}
+    runs = {w.run_key for w in writers}
+    if len(jobs) > 1 or (None not in runs and len(runs) > 1):
+        return ("different jobs (or restarts) write this path: give each job its own output "
+                "directory")
+    if any(w.rank is None for w in writers):
+        return "make only one process write this path, or give each process its own path"
+    sites = {w.site for w in c.writes}
+    nodes = {w.node for w in writers}
+    node_local = len(nodes) > 1 or (len(writers) > 1
+                                    and all(w.local_rank == 0 for w in writers))
+    if len(sites) > 1:
+        guard = GUARD_FIX.replace("this call site", "each of these call sites")
+    else:
+        guard = GUARD_FIX
+    if node_local:
+        guard += " -- " + LOCAL_RANK_NOTE
+    return f"{guard}; or {OWN_PATH_FIX}"
+
+
+def _columns(width: int) -> list:
+    # (title, width); the call site takes what is left of the line.
+    fixed = [("writer", 18), ("pid", 7), ("start", 12), ("dur", 7), ("bytes", 8)]
+    used = 2 + sum(w + 1 for _, w in fixed)
+    return fixed + [("call site", max(10, width - used))]
+
+
+def _row(values: list, columns: list) -> str:
+    cells = []
+    for (title, w), value in zip(columns, values):
+        if title == "call site":
+            cells.append(keep_tail(value, w))
+        elif title == "writer":
+            cells.append(keep_head(value, w).ljust(w))
+        else:
+            cells.append(keep_head(value, w).rjust(w) if title in ("pid", "dur", "bytes")
+                         else keep_head(value, w).ljust(w))
+    return ("  " + " ".join(cells)).rstrip()
+
+
+def _wrapped(label: str, text: str, width: int) -> list:
+    return textwrap.wrap(text, width=width, initial_indent="  " + label,
+                         subsequent_indent="  " + " " * len(label),
+                         break_on_hyphens=False) or ["  " + label]
+
+
+def render_collision(c: Collision, width: int = 80) -> list:
+    """The lines for one collision (without the path heading)."""
+    lines = []
+    first = c.first
+    day = time.strftime("%Y-%m-%d", time.localtime(int(first.start_wall)))
+    writers = len(c.writers)
+    if c.kind == KIND_CONCURRENT:
+        how = f"overlapped {c.overlap_seconds:.2f}s"
+    else:
+        last_end = max((w.end_wall or w.start_wall) for w in c.writes)
+        how = f"one after another over {max(0.0, last_end - first.start_wall):.2f}s"
+    head = f"{clean(c.kind)} collision, {writers} writers, {how}, {day}"
+    if c.scope != "node":
+        head += f", scope {clean(c.scope)}"
+    lines += _wrapped("", head, width)
+    if c.kind != KIND_CONCURRENT:
+        lines += _wrapped("", "(the same job run wrote it from several processes: not "
+                          "corrupt yet, the same bug waiting to happen)", width)
+    columns = _columns(width)
+    lines.append(_row([title for title, _ in columns], columns))
+    for w in c.writes:
+        lines.append(_row([w.writer.label, str(w.writer.pid), clock_time(w.start_wall),
+                           _duration(w), human_bytes(w.bytes), _site(w)], columns))
+    for w in c.writes:
+        if w.outcome == "lost":
+            lines += _wrapped("", f"{_who(w)}: its end was never seen (the process died or "
+                              "stalled); duration is up to its last sign of life", width)
+        elif w.outcome not in (None, "ok"):
+            lines += _wrapped("", f"{_who(w)}: the save raised {clean(w.outcome)}", width)
+    last = c.last
+    if c.kind == KIND_CONCURRENT:
+        lines += _wrapped("last to finish: ", f"{_who(last)}, its bytes are on disk", width)
+    else:
+        lines += _wrapped("last write: ", f"{_who(last)}, its bytes are on disk", width)
+    sites = call_sites(c)
+    if sites:
+        lines += _wrapped("call site: " if len(sites) == 1 else "call sites: ",
+                          ", ".join(sites), width)
+    lines += _wrapped("fix: ", suggest_fix(c), width)
+    if c.id:
+        lines.append(keep_head(f"  id {c.id}", width))
+    return lines
+
+
+def render_table(collisions: list, width: int = 80) -> str:
+    """Every path with collisions, its collisions oldest first; every line <= width."""
+    by_path: dict[str, list] = {}
+    for c in sorted(collisions, key=lambda c: c.first.start_wall):
+        by_path.setdefault(c.path, []).append(c)
+    lines = []
+    for path, group in by_path.items():
+        if lines:
+            lines.append("")
+        lines.append(keep_tail(path, width))
+        for index, c in enumerate(group):
+            if index:
+                lines.append("")
+            lines += render_collision(c, width)
+    # A last guard: nothing may wrap in the terminal, whatever a value contained.
+    return "\n".join(line if len(line) <= width else keep_head(line, width) for line in lines)
+
+
+def render_json(collisions: list) -> str:
+    """A JSON document {"collisions": [<journal collision record>, ...]}."""
+    return json.dumps({"collisions": [c.to_record() for c in collisions]}, indent=2,
+                      sort_keys=False)
+
+
+def summary_line(summary: JournalSummary, journal: str, width: int = 80) -> str:
+    """The closing line: how many collisions in how many writes, and where from (the journal
+    path moves to a second line when both do not fit the width)."""
+    if summary.collisions:
+        paths = len({c.path for c in summary.collisions})
+        n = len(summary.collisions)
+        text = (f"{n} collision{'s' if n != 1 else ''} on {paths} "
+                f"path{'s' if paths != 1 else ''} in {summary.writes} writes recorded in ")
+    else:
+        text = f"no collisions in {summary.writes} writes recorded in "
+    tail = f" ({summary.malformed} unreadable lines skipped)" if summary.malformed else ""
+    line = text + clean(journal) + tail
+    if len(line) <= width:
+        return line
+    # The journal path is what a person copies next: give it a line of its own.
+    return text.rstrip() + "\n  " + keep_tail(journal + tail, width - 2)
+
+
+# ---------------------------------------------------------------------------- command
+
+def report_journal_path() -> str:
+    """The journal `report` reads by default: this user's agent default, else the system one."""
+    mine = default_journal_path()
+    for candidate in (mine, SYSTEM_JOURNAL_PATH):
+        if os.path.exists(candidate):
+            return candidate
+    return mine
+
+
+def add_arguments(parser) -> None:
+    """Add `ckptwatch report` options to an argparse parser."""
+    parser.add_argument("--journal", metavar="PATH", default=None,
+                        help="journal written by the agent (default: the agent's default, "
+                             f"{default_journal_path()})")
+    parser.add_argument("--format", choices=("table", "json"), default="table",
+                        help="table for people (80 columns), json for tools")
+
+
+def run(args, out=None, err=None) -> int:
+    """Print the report; 0 when produced (collisions or not), 2 without a readable journal."""
+    out = out or sys.stdout
+    err = err or sys.stderr
+    journal = getattr(args, "journal", None) or report_journal_path()
+    fmt = getattr(args, "format", "table") or "table"
+    if not os.path.exists(journal) and not any(
+            os.path.exists(f"{journal}.{i}") for i in range(1, 4)):
+        print(f"ckptwatch report: no journal at {journal} (is the agent running with "
+              f"--journal.path? pass --journal PATH)", file=err)
+        return EXIT_NO_JOURNAL
+    if os.path.isdir(journal):
+        print(f"ckptwatch report: {journal} is a directory, not a journal file", file=err)
+        return EXIT_NO_JOURNAL
+    try:
+        summary = summarize(journal)
+    except OSError as exc:
+        print(f"ckptwatch report: cannot read journal {journal}: {exc.strerror or exc}",
+              file=err)
+        return EXIT_NO_JOURNAL
+    if fmt == "json":
+        out.write(render_json(summary.collisions) + "\n")
+        return EXIT_OK
+    if summary.collisions:
+        out.write(render_table(summary.collisions) + "\n\n")
+    out.write(summary_line(summary, journal) + "\n")
+    return EXIT_OK
