@@ -496,7 +496,8 @@ def test_a_storm_of_overlapping_writes_stays_bounded(monkeypatch):
     for i in range(1, n):
         t = float(i)
         pid = 1 + i % 2
-        out += feed(det, clock, [(t, start(pid, i, t)), (t + 0.5, end(3 - pid, i - 1, t + 0.5, t - 1))])
+        previous_end = end(3 - pid, i - 1, t + 0.5, t - 1)
+        out += feed(det, clock, [(t, start(pid, i, t)), (t + 0.5, previous_end)])
         assert len(next(iter(det._paths.values())).entries) <= MAX_PATH_WRITES + 1
     out += det.flush()
     seen = [(w.writer.pid, w.seq) for c in collisions(out) for w in c.writes]
