@@ -33,6 +33,7 @@ import time
 import weakref
 
 from monitor import events, paths
+from monitor.identity import identity
 
 FLUSH_TIMEOUT_ENV = "CKPTWATCH_FLUSH_TIMEOUT"
 BATCH_MAX = 256               # frames per sendall: one syscall for a burst, bounded memory
@@ -217,7 +218,6 @@ class Emitter:
         frames = []
         pending_drops = self._dropped - self._dropped_reported
         if pending_drops > 0:
-            from monitor.identity import identity
             report = {"v": events.SCHEMA_VERSION, "type": "dropped",
                       "node": identity()["node"], "pid": os.getpid(), "count": pending_drops}
             frames.append(events.encode(report))

@@ -97,16 +97,16 @@ def test_post_import_hook_leaves_the_import_system_as_it_was(fake_torch, tmp_pat
     result = run("""
         import importlib, importlib.machinery, json, sys
         from monitor import hook
-        from monitor.bootstrap import TorchImportWatcher
-        watching = any(isinstance(f, TorchImportWatcher) for f in sys.meta_path)
+        def watching():
+            return any(type(f).__name__ == "TorchImportWatcher" for f in sys.meta_path)
+        watching_before = watching()
         import torch
         import torch.extra
         loader = torch.__loader__
         state = {
-            "watching_before": watching,
+            "watching_before": watching_before,
             "installed": hook.is_installed(),
-            "watcher_removed": not any(isinstance(f, TorchImportWatcher)
-                                       for f in sys.meta_path),
+            "watcher_removed": not watching(),
             "loader_type": isinstance(loader, importlib.machinery.SourceFileLoader),
             "loader_clean": "exec_module" not in vars(loader),
             "spec_loader_same": torch.__spec__.loader is loader,
@@ -163,10 +163,11 @@ def test_process_without_torch_pays_nothing(tmp_path):
                           "hook": "monitor.hook" in sys.modules,
                           "emitter": "monitor.emitter" in sys.modules,
                           "threads": threading.active_count(),
-                          "bootstrap": "monitor.bootstrap" in sys.modules}))
+                          "watching": [type(f).__name__ for f in sys.meta_path
+                                       if type(f).__name__ == "TorchImportWatcher"]}))
         """, bootstrap_env(), str(tmp_path))
     assert result == {"torch": False, "hook": False, "emitter": False, "threads": 1,
-                      "bootstrap": True}
+                      "watching": ["TorchImportWatcher"]}
 
 
 def test_initialize_installs_at_once_when_torch_is_already_imported(fake_torch, tmp_path):
@@ -226,3 +227,27 @@ def test_broken_user_sitecustomize_does_not_break_start_up(fake_torch, tmp_path)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "true"
     assert "user bug" in out.stderr          # reported, as Python itself would
+
+
+@pytest.mark.parametrize("order", ["monitor-first", "torch-first"])
+def test_users_own_monitor_module_is_not_shadowed(fake_torch, sock, tmp_path, order):
+    # Our package is called `monitor`; a training repo may have a monitor.py of its own.
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "monitor.py").write_text("WHO = 'user'\n")
+    imports = "import monitor, torch" if order == "monitor-first" else "import torch, monitor"
+    (project / "train.py").write_text(textwrap.dedent(f"""
+        import json, os
+        {imports}
+        torch.save(1, "x.pt")
+        print(json.dumps({{"who": getattr(monitor, "WHO", None),
+                          "patched": hasattr(torch.save, "__ckptwatch_original__")}}))
+        """))
+    with Receiver(sock) as rx:
+        out = subprocess.run([PY, str(project / "train.py")],
+                             env=bootstrap_env(fake_torch, CKPTWATCH_SOCKET=sock),
+                             cwd=str(tmp_path), capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        assert json.loads(out.stdout) == {"who": "user", "patched": True}
+        (end,) = rx.wait_count("end", 1)
+        assert end["path"] == str(tmp_path / "x.pt")

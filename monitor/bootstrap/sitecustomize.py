@@ -25,6 +25,8 @@ def _initialize() -> None:
             sys.path.append(_ROOT)
         from monitor import bootstrap
         bootstrap.initialize()
+        # Do not let our `monitor` shadow a module of the same name in the user's project.
+        bootstrap.hide_package()
     except Exception:
         pass
 
