@@ -219,7 +219,9 @@ def build_parser(prog: str = "ckptwatch agent") -> argparse.ArgumentParser:
                     "path, and exports them to Prometheus, a JSONL journal and the log.",
         epilog="Every flag can also be set in --config.file (TOML or YAML), nested "
                "(web: {listen-address: ...}) or flat (\"web.listen-address\": ...). "
-               "Flags override the file. Invalid configuration exits with code 2.")
+               "Flags override the file. Invalid configuration exits with code 2. "
+               "The agent checks each event's pid against the sending process, so it must "
+               "share the pid namespace of the training processes (hostPID on Kubernetes).")
     parser.add_argument("--config.file", dest="config_file", metavar="PATH", default=None,
                         help="TOML (.toml) or YAML (.yaml/.yml) file with any of the settings "
                              "below (default: none)")
