@@ -269,7 +269,10 @@ class IngestServer:
             try:
                 payloads = conn.reader.feed(data)
             except events.EventError as exc:
-                # A bad length: the rest of the stream cannot be framed any more.
+                # A bad length: the rest of the stream cannot be framed any more. Frames that
+                # were complete before it in this chunk are still good events.
+                for payload in exc.payloads:
+                    self._deliver(conn, payload)
                 self._reject(exc.reason)
                 self._close(conn)
                 return

@@ -185,6 +185,15 @@ def test_frame_reader_oversized_length_raises_after_good_frames():
     assert info.value.reason == events.REJECT_OVERSIZED
 
 
+def test_frame_reader_keeps_good_frames_that_precede_an_oversized_header_in_one_chunk():
+    good = encode(start())
+    reader = FrameReader(max_frame=1000)
+    with pytest.raises(EventError) as info:
+        reader.feed(good + good + struct.pack(">I", 1001))
+    assert info.value.reason == events.REJECT_OVERSIZED
+    assert info.value.payloads == [payload(good), payload(good)]
+
+
 def test_frame_reader_default_limit_is_the_contract_limit():
     reader = FrameReader()
     limit_frame = struct.pack(">I", events.MAX_FRAME_BYTES) + b"x" * events.MAX_FRAME_BYTES
