@@ -57,7 +57,13 @@ POLICY_ENV = "CKPTWATCH_POLICY"
 POLICIES = ("observe", "warn", "atomic")
 IMPLEMENTED_POLICIES = ("observe",)
 
-_MONITOR_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_MONITOR_DIR = os.path.dirname(os.path.abspath(__file__))
+# The call site skips frames of our in-process machinery only, not the whole package: programs
+# that ship inside it (monitor/demo_job.py, run by `ckptwatch demo`) are user code there.
+_OWN_FILES = frozenset(
+    name for module in ("__init__", "hook", "emitter", "identity", "events", "paths")
+    for name in (os.path.join(_MONITOR_DIR, module + ".py"),))
+_BOOTSTRAP_PREFIX = os.path.join(_MONITOR_DIR, "bootstrap") + os.sep
 _TARGETS = (("torch", "save"), ("torch.serialization", "save"))
 
 _active = False
@@ -230,7 +236,7 @@ def _already_reported(f, fileno: int) -> bool:
 
 
 def _caller(frame):
-    """The first frame outside torch and monitor, or None."""
+    """The first frame outside torch and our hook machinery, or None."""
     internal = _internal_code
     torch_dir = _torch_dir or "\0"
     while frame is not None:
@@ -238,7 +244,9 @@ def _caller(frame):
         skip = internal.get(code)
         if skip is None:
             filename = code.co_filename
-            skip = filename.startswith(_MONITOR_DIR) or filename.startswith(torch_dir)
+            skip = (filename.startswith(torch_dir) or filename in _OWN_FILES
+                    or os.path.abspath(filename) in _OWN_FILES
+                    or filename.startswith(_BOOTSTRAP_PREFIX))
             if len(internal) < 4096:
                 internal[code] = skip
         if not skip:
