@@ -275,3 +275,20 @@ def test_stats_fields(sock, make_emitter):
     emitter = make_emitter(sock)
     assert set(emitter.stats()) == {"sent", "dropped", "queued", "connected", "errors"}
     assert json.dumps(emitter.stats())
+
+
+def test_deferred_events_are_built_by_the_sender(sock, make_emitter):
+    # The hook passes (builder, *args) so that dict building happens off the save path.
+    def broken(seq):
+        raise RuntimeError("builder bug")
+
+    with Receiver(sock) as rx:
+        emitter = make_emitter(sock)
+        emitter.emit((start_event, 1))
+        emitter.emit((broken, 2))                 # a failing builder is a counted drop
+        emitter.emit((start_event, 3))
+        rx.wait_count("start", 2)
+        dropped = rx.wait_count("dropped", 1)
+        assert seqs(rx) == [1, 3]
+        assert dropped[0]["count"] == 1
+        assert emitter.stats()["dropped"] == 1
