@@ -20,7 +20,9 @@ sending anything on it.
 Exit: an atexit handler flushes within flush_timeout (CKPTWATCH_FLUSH_TIMEOUT overrides) — but
 does not wait at all when the agent cannot be reached, so a job without an agent exits at
 normal speed. Processes that end with os._exit (e.g. multiprocessing children) skip atexit and
-lose whatever the sender had not sent yet.
+lose whatever the sender had not sent yet. atexit runs handlers last-registered-first: a save
+made by a handler registered before this module was imported (i.e. before torch, under the
+bootstrap) runs after our flush and is dropped.
 """
 from __future__ import annotations
 
