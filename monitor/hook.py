@@ -15,6 +15,8 @@ What is reported:
   that path, absolutised. Only the FIRST save into a given open file object is reported;
   torch.distributed.checkpoint calls torch.save once per tensor into one open shard file, and
   that is one write, not thousands. Later saves into the same object are counted as coalesced.
+  Thin wrappers without a name are followed through their `raw` attribute (DCP wraps the shard
+  file in a new NoCloseWriter per tensor), so they coalesce on the underlying file.
   The user's file is never flushed; its size is read with f.tell().
 - io.BytesIO and other objects without a usable name or file descriptor are not file writes and
   are not reported (counted as unreported).
@@ -208,17 +210,32 @@ def _target_path(f):
         return _absolute(os.fsdecode(f)), None
     if isinstance(f, os.PathLike):
         return _absolute(os.fsdecode(os.fspath(f))), None
-    name = getattr(f, "name", None)
-    if not isinstance(name, str) or not name or name.startswith("<"):
+    found = _real_file(f)
+    if found is None:
         return None
-    try:
-        fileno = f.fileno()
-    except Exception:
-        return None   # not backed by a real file (e.g. a zip member, a remote file object)
-    if _already_reported(f, fileno):
+    fileobj, name, fileno = found
+    if _already_reported(fileobj, fileno):
         _counters["coalesced"] += 1
         return False
-    return _absolute(name), f
+    return _absolute(name), fileobj
+
+
+def _real_file(f, depth: int = 0):
+    """(file object, its path, fd) for an object backed by a real named file, else None.
+
+    Follows a `raw` attribute through thin wrappers: torch.distributed.checkpoint wraps its
+    open shard file in a fresh NoCloseWriter (no name) for every tensor it saves into it.
+    """
+    name = getattr(f, "name", None)
+    if isinstance(name, str) and name and not name.startswith("<"):
+        try:
+            return f, name, f.fileno()
+        except Exception:
+            return None   # not backed by a real file (a zip member, a remote file object)
+    inner = getattr(f, "raw", None)
+    if inner is None or inner is f or depth >= 3:
+        return None
+    return _real_file(inner, depth + 1)
 
 
 def _already_reported(f, fileno: int) -> bool:

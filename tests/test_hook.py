@@ -393,3 +393,25 @@ def test_save_path_never_imports_extra_modules(rx, sock, workdir):
         """, sock)
     assert result == {"psutil": False, "watchdog": False, "prometheus_client": False}
     rx.wait_count("end", 1)
+
+
+def test_torch_distributed_checkpoint_shard_is_one_write(rx, sock, workdir):
+    # DCP saves every tensor with torch.save into one open shard file (wrapped per tensor).
+    result = run_script(workdir, """
+        import json, os, warnings, torch, monitor
+        warnings.simplefilter("ignore")
+        import torch.distributed.checkpoint as dcp
+        from monitor import hook
+        monitor.install()
+        dcp.save({f"w{i}": torch.randn(8) for i in range(50)},
+                 checkpoint_id=os.path.abspath("dcp"))
+        print(json.dumps({**hook.stats(),
+                          "shards": sorted(n for n in os.listdir("dcp") if n.endswith(".distcp"))}))
+        """, sock)
+    assert result["reported"] == 1 and result["coalesced"] == 49, result
+    rx.wait_count("end", 1)
+    time.sleep(0.2)
+    assert [(e["type"], e["path"]) for e in rx.events] == [
+        ("start", os.path.join(workdir, "dcp", result["shards"][0])),
+        ("end", os.path.join(workdir, "dcp", result["shards"][0]))]
+    assert rx.events[1]["site"].startswith(os.path.join(workdir, "child.py") + ":")
