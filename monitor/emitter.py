@@ -146,7 +146,8 @@ class Emitter:
                 return False
             time.sleep(0.002)
 
-    def shutdown(self, timeout: float | None = None) -> bool:
+    def shutdown(self, timeout: float | None = None, join_timeout: float = SEND_TIMEOUT + 1.0
+                 ) -> bool:
         """Flush within timeout, then stop the thread and close the connection. Idempotent.
         Returns whether everything queued was sent."""
         if self._closed:
@@ -157,8 +158,11 @@ class Emitter:
         self._wake.set()
         thread = self._thread
         if thread is not None and thread is not threading.current_thread():
-            thread.join(SEND_TIMEOUT + 1.0)
-        self._close_socket()
+            thread.join(join_timeout)
+        if thread is None or not thread.is_alive():
+            # Otherwise the sender is still inside a send on this socket; closing the fd
+            # under it could hand the number to another file. It closes it when it stops.
+            self._close_socket()
         return ok
 
     def stats(self) -> dict:
@@ -177,6 +181,7 @@ class Emitter:
                 self._errors += 1
                 self._close_socket()
                 time.sleep(BACKOFF_MIN)
+        self._close_socket()
 
     def _has_work(self) -> bool:
         return bool(self._queue or self._batch or self._dropped > self._dropped_reported)
@@ -314,7 +319,9 @@ def _after_fork_in_child() -> None:
 def _shutdown_all() -> None:
     for emitter in list(_live):
         try:
-            emitter.shutdown(_flush_timeout_from_env(emitter.flush_timeout))
+            # The thread is a daemon: at exit, do not wait for a send stuck on a slow agent
+            # beyond the flush bound.
+            emitter.shutdown(_flush_timeout_from_env(emitter.flush_timeout), join_timeout=0.1)
         except Exception:
             pass
 

@@ -292,3 +292,24 @@ def test_deferred_events_are_built_by_the_sender(sock, make_emitter):
         assert seqs(rx) == [1, 3]
         assert dropped[0]["count"] == 1
         assert emitter.stats()["dropped"] == 1
+
+
+def test_agent_that_stops_reading_never_blocks_the_caller(sock, make_emitter):
+    import socket as socketlib
+    server = socketlib.socket(socketlib.AF_UNIX, socketlib.SOCK_STREAM)
+    server.bind(sock)
+    server.listen(1)              # accepted by the kernel, never read: the buffer fills up
+    try:
+        emitter = make_emitter(sock, max_queue=1000)
+        for seq in range(1, 20001):
+            event = start_event(seq)
+            event["path"] = "/tmp/" + "p" * 400
+            emitter.emit(event)
+        wait_for(lambda: emitter.stats()["dropped"] > 0, message="drops under back-pressure")
+        assert emitter.flush(0.2) is False
+        stats = emitter.stats()
+        assert stats["queued"] <= 1000
+        assert stats["sent"] + stats["dropped"] + stats["queued"] <= 20000
+    finally:
+        emitter.shutdown(0.1)
+        server.close()
