@@ -70,7 +70,9 @@ class Emitter:
         # Everything a process must own privately; called again in a forked child.
         self._queue: collections.deque = collections.deque()
         self._wake = threading.Event()
-        self._lock = threading.Lock()      # only for thread start and the (rare) drop path
+        # Only for thread start and the (rare) drop path. Reentrant: a signal handler that saves
+        # a checkpoint can interrupt emit() while the main thread holds it.
+        self._lock = threading.RLock()
         self._thread: threading.Thread | None = None
         self._sock: socket.socket | None = None
         self._idle = True                  # sender is waiting with nothing in flight
@@ -118,8 +120,8 @@ class Emitter:
             if self._thread is not None or self._closed:
                 return
             thread = threading.Thread(target=self._run, name="ckptwatch-emitter", daemon=True)
+            self._thread = thread   # before start(): a re-entrant emit must not start another
             thread.start()
-            self._thread = thread
 
     # ---- control ---------------------------------------------------------------------------
 
@@ -293,7 +295,7 @@ class Emitter:
 
 
 _singleton: Emitter | None = None
-_singleton_lock = threading.Lock()
+_singleton_lock = threading.RLock()
 
 
 def get_emitter() -> Emitter:
@@ -311,7 +313,7 @@ def get_emitter() -> Emitter:
 
 def _after_fork_in_child() -> None:
     global _singleton_lock
-    _singleton_lock = threading.Lock()
+    _singleton_lock = threading.RLock()
     for emitter in list(_live):
         emitter._after_fork_in_child()
 
