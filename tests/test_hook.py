@@ -415,3 +415,24 @@ def test_torch_distributed_checkpoint_shard_is_one_write(rx, sock, workdir):
         ("start", os.path.join(workdir, "dcp", result["shards"][0])),
         ("end", os.path.join(workdir, "dcp", result["shards"][0]))]
     assert rx.events[1]["site"].startswith(os.path.join(workdir, "child.py") + ":")
+
+
+def test_threads_saving_concurrently_are_each_reported(rx, sock, workdir):
+    result = run_script(workdir, """
+        import json, threading, torch, monitor
+        from monitor import hook
+        monitor.install()
+        def work(n):
+            for i in range(10):
+                torch.save(i, f"t{n}.pt")
+        threads = [threading.Thread(target=work, args=(n,)) for n in range(4)]
+        for t in threads: t.start()
+        for t in threads: t.join()
+        print(json.dumps(hook.stats()))
+        """, sock)
+    assert result["reported"] == 40 and result["errors"] == 0
+    ends = rx.wait_count("end", 40)
+    assert sorted(e["seq"] for e in ends) == list(range(1, 41))
+    starts = {e["seq"]: e["path"] for e in rx.of_type("start")}
+    assert all(starts[e["seq"]] == e["path"] for e in ends)
+    assert all(e["func"] == "work" for e in ends)
