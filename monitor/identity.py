@@ -62,19 +62,26 @@ def from_environ(environ) -> dict:
     return ident
 
 
+_dist_module = None
+_dist_is_initialized = None
+
+
 def _distributed_rank() -> tuple[int, int] | None:
     """(rank, world_size) from an initialised torch.distributed; None if not available.
 
     Only looks in sys.modules: importing torch.distributed here would cost seconds in a process
-    that never uses it, and the hook must never change what a process imports.
+    that never uses it, and the hook must never change what a process imports. Runs on every
+    save of a process without a launcher rank, so the lookup of is_initialized is cached.
     """
+    global _dist_module, _dist_is_initialized
     dist = sys.modules.get("torch.distributed")
     if dist is None:
         return None
     try:
-        # is_initialized only exists when torch was built with distributed support.
-        is_initialized = getattr(dist, "is_initialized", None)
-        if is_initialized is not None and is_initialized():
+        if dist is not _dist_module:
+            # is_initialized only exists when torch was built with distributed support.
+            _dist_module, _dist_is_initialized = dist, getattr(dist, "is_initialized", None)
+        if _dist_is_initialized is not None and _dist_is_initialized():
             return dist.get_rank(), dist.get_world_size()
     except Exception:
         return None
