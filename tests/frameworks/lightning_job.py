@@ -3,7 +3,9 @@ strategy="ddp"), launched as a plain `python lightning_job.py --out DIR` (Lightn
 its own second process), with ModelCheckpoint saving every 2 steps plus last.ckpt.
 
 --probe: each rank also torch.saves a small file of its own (probe-rank{N}.pt) at the end of
-training, to show that every process Lightning started runs with the hook and knows its rank.
+training, to show that every process Lightning started runs with the hook and knows its rank;
+and, before trainer.fit, the launching process saves its own config.pt (user code often saves a
+config or an initial snapshot before training starts).
 """
 import argparse
 import os
@@ -40,6 +42,7 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--probe", action="store_true")
     args = parser.parse_args()
+    os.makedirs(args.out, exist_ok=True)
     data = torch.utils.data.TensorDataset(torch.randn(32, 16), torch.randn(32, 1))
     loader = torch.utils.data.DataLoader(data, batch_size=4)
     callbacks = [ModelCheckpoint(dirpath=os.path.join(args.out, "ckpt"), save_last=True,
@@ -49,7 +52,12 @@ def main() -> None:
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_epochs=1,
                         limit_train_batches=4, enable_progress_bar=False, logger=False,
                         enable_model_summary=False, callbacks=callbacks)
-    trainer.fit(TinyModule(), loader)
+    module = TinyModule()
+    if args.probe and not os.environ.get("LOCAL_RANK"):
+        # Only the process the user started: Lightning re-executes this script for rank 1
+        # with LOCAL_RANK set.
+        torch.save({"hidden": 16}, os.path.join(args.out, "config.pt"))
+    trainer.fit(module, loader)
 
 
 if __name__ == "__main__":
