@@ -6,9 +6,13 @@ stream. Transport and framing are described in monitor/events.py.
 
 Each event's pid is checked against the kernel's peer credentials (SO_PEERCRED) of the
 connection it arrived on, so a process cannot report writes on behalf of another. The kernel
-translates the peer pid into the agent's pid namespace: the agent must therefore run in the same
-pid namespace as the training processes (hostPID: true on Kubernetes, or the same container),
-otherwise every event is rejected as "pid_mismatch".
+translates the peer pid into the agent's pid namespace. A trainer in its own pid namespace (a
+container without hostPID) reports the pid it sees itself, so the claim is also accepted when it
+equals the peer's innermost namespace pid (the last field of NSpid in /proc/<pid>/status).
+Accepted events then carry the agent-side pid: two containers can both have a pid 1, and the
+agent-side pid is unique on the node and can be checked for liveness. An agent in a pid
+namespace that cannot see the trainers at all gets peer pid 0 and rejects every event as
+"pid_mismatch" (run it with hostPID: true on Kubernetes).
 
 Callbacks run on the server thread: on_event(event) for every valid event, on_reject(reason)
 (reason from monitor.events.REJECT_REASONS) for every rejected input. They should be quick.
@@ -43,12 +47,26 @@ class AgentAlreadyRunning(IngestError):
     """Another agent is alive and answering on the socket path."""
 
 
+def namespace_pid(pid: int, proc_root: str = "/proc") -> int | None:
+    """The pid that `pid` has inside its own (innermost) pid namespace, or None if unknown."""
+    try:
+        with open(f"{proc_root}/{pid}/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"NSpid:"):
+                    return int(line.split()[-1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 class _Conn:
-    __slots__ = ("sock", "pid", "reader")
+    __slots__ = ("sock", "pid", "ns_pid", "reader")
 
     def __init__(self, sock: socket.socket, pid: int):
         self.sock = sock
         self.pid = pid
+        # What the peer calls itself when it lives in a nested pid namespace (else == pid).
+        self.ns_pid = namespace_pid(pid) if pid > 0 else None
         self.reader = events.FrameReader()
 
 
@@ -287,9 +305,12 @@ class IngestServer:
         except events.EventError as exc:
             self._reject(exc.reason)
             return
-        if event["pid"] != conn.pid:
-            self._reject(events.REJECT_PID_MISMATCH)
-            return
+        claimed = event["pid"]
+        if claimed != conn.pid or conn.pid <= 0:
+            if conn.pid <= 0 or claimed != conn.ns_pid:
+                self._reject(events.REJECT_PID_MISMATCH)
+                return
+            event["pid"] = conn.pid     # the node-unique, agent-visible pid (see module doc)
         try:
             self._on_event(event)
         except Exception:

@@ -257,3 +257,35 @@ def test_stop_closes_connections_and_removes_socket(sockdir, no_thread_leak):
     client.close()
     assert not os.path.exists(path)
     assert not srv.alive
+
+
+def _can_unshare_pid() -> bool:
+    try:
+        return subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", "true"],
+                              capture_output=True, timeout=10).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+@pytest.mark.skipif(not _can_unshare_pid(), reason="needs unshare --pid (root)")
+def test_trainer_in_its_own_pid_namespace_is_accepted_with_its_node_pid(server):
+    """A container without hostPID calls itself pid 1; the agent accepts the claim because
+    the kernel says so (NSpid) and records the node-unique pid instead."""
+    code = SENDER.format(root=os.path.dirname(os.path.dirname(os.path.abspath(events.__file__))),
+                         path=server.path)
+    for offset in ("0", "1"):   # an honest claim, then a lie from inside the namespace
+        subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-c",
+                        code, offset], check=True, timeout=30)
+    wait_for(lambda: server.rec.events and server.rec.rejects)
+    (event,) = server.rec.events
+    assert event["pid"] > 1          # the agent-visible pid, not the container's 1
+    assert server.rec.rejects == ["pid_mismatch"]
+
+
+def test_namespace_pid_reads_the_innermost_nspid(tmp_path):
+    from monitor.ingest import namespace_pid
+    (tmp_path / "42").mkdir()
+    (tmp_path / "42" / "status").write_text("Name:\tpython\nNSpid:\t42\t7\t1\nPPid:\t1\n")
+    assert namespace_pid(42, proc_root=str(tmp_path)) == 1
+    assert namespace_pid(43, proc_root=str(tmp_path)) is None
+    assert namespace_pid(os.getpid()) == os.getpid()   # innermost = what getpid() says
