@@ -3,8 +3,9 @@
 Loaded into training processes: standard library only. torch.distributed is consulted only when
 the launcher set no rank variables, and only if torch is already imported (never imported here).
 
-The result is cached per process (environment variables of a launched worker do not change) and
-reset after fork, because a forked child has a new pid.
+The result is cached per process and reset after fork (a forked child has a new pid). The cache
+is refreshed when the number of environment variables changes, because some launchers export
+rank variables into an already running process.
 """
 from __future__ import annotations
 
@@ -29,6 +30,10 @@ _INT_FIELDS = {
 _JOB_VARS = (JOB_ENV, "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID")
 
 _cached: dict | None = None
+_cached_env_len = -1
+# os.environ's backing dict: len() of it is a C call, len(os.environ) a Python one, and this
+# runs on every save. Falls back to the mapping itself where the private attribute is absent.
+_ENV_DATA = getattr(os.environ, "_data", os.environ)
 
 
 def _parse_int(text: str | None) -> int | None:
@@ -90,12 +95,19 @@ def _distributed_rank() -> tuple[int, int] | None:
 
 def identity() -> dict:
     """This process's identity: node, pid, rank, local_rank, world_size, local_world_size,
-    node_rank, job, master, restart. Cached; a rank-less identity asks torch.distributed again
-    on later calls until it is initialised (it is typically initialised after import time)."""
-    global _cached
+    node_rank, job, master, restart.
+
+    Cached, and read again when variables were added to or removed from os.environ since: some
+    launchers (PyTorch Lightning's rank 0, for one) export LOCAL_RANK, WORLD_SIZE and
+    MASTER_ADDR/PORT into the running process after it may already have saved. A rank-less
+    identity asks torch.distributed again on later calls until it is initialised.
+    """
+    global _cached, _cached_env_len
     ident = _cached
-    if ident is None:
+    env_len = len(_ENV_DATA)
+    if ident is None or env_len != _cached_env_len:
         ident = _cached = from_environ(os.environ)
+        _cached_env_len = env_len
     if ident["rank"] is None:
         found = _distributed_rank()
         if found is not None:

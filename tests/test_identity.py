@@ -95,6 +95,26 @@ def test_identity_is_cached_until_reset(monkeypatch):
         identity_mod.reset()
 
 
+def test_identity_follows_variables_a_launcher_adds_later(monkeypatch):
+    # PyTorch Lightning's rank 0 exports LOCAL_RANK, WORLD_SIZE, MASTER_* into its own
+    # environment after the user's script started (and maybe already saved).
+    for name in ("LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "RANK"):
+        monkeypatch.delenv(name, raising=False)
+    identity_mod.reset()
+    try:
+        early = identity_mod.identity()
+        assert early["local_rank"] is None and early["master"] is None
+        monkeypatch.setenv("LOCAL_RANK", "0")
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+        monkeypatch.setenv("MASTER_PORT", "29500")
+        later = identity_mod.identity()
+        assert (later["local_rank"], later["world_size"], later["master"]) == \
+            (0, 2, "127.0.0.1:29500")
+    finally:
+        identity_mod.reset()
+
+
 def _run(code: str, **env) -> dict:
     out = subprocess.run([PY, "-c", code], env=subprocess_env(**env), cwd=REPO_ROOT,
                          capture_output=True, text=True, timeout=120)
