@@ -17,7 +17,9 @@ What is reported:
   that is one write, not thousands. Later saves into the same object are counted as coalesced.
   Thin wrappers without a name are followed through their `raw` attribute (DCP wraps the shard
   file in a new NoCloseWriter per tensor), so they coalesce on the underlying file.
-  The user's file is never flushed; its size is read with f.tell().
+  The user's file is never flushed; `bytes` is f.tell() after the save (the position, which
+  for a file opened for writing is what has been written so far). For a DCP shard the
+  reported interval covers the first tensor's save only, not the whole shard.
 - io.BytesIO and other objects without a usable name or file descriptor are not file writes and
   are not reported (counted as unreported).
 
@@ -33,8 +35,9 @@ Choices and limits:
 - uninstall() restores an attribute only if it still holds our wrapper; a wrapper somebody else
   installed on top of ours is left alone, and our wrapper inside it goes quiet (it checks an
   active flag), so nothing is reported twice after a later install().
-- Nested calls (our wrapper reached again inside a save, e.g. through a third-party wrapper
-  around ours) report only once: the inner call passes straight through.
+- Nested calls (our wrapper reached again inside a save on the same thread, e.g. through a
+  third-party wrapper around ours, or a signal handler that saves while a save is running)
+  pass straight through: the outer save is the one reported.
 - CKPTWATCH_DISABLE=1 makes install() a no-op. CKPTWATCH_POLICY: only `observe` (the default)
   is implemented; `warn` and `atomic` are accepted and treated as `observe` for now (see
   policy()), so setting them never breaks a job.
