@@ -3,7 +3,8 @@
     --save state     accelerator.save_state(DIR/state) — correct: accelerate guards its saves
     --save unguarded every process calls torch.save(unwrap_model(model).state_dict(), DIR/model.pt)
                      without `if accelerator.is_main_process` — the classic bug
-    --save unguarded-safetensors  the same bug through safetensors.torch.save_file (which is what
+    --save unguarded-safetensors
+                     the same bug through safetensors.torch.save_file (which is what
                      transformers' save_pretrained and accelerate's save_model use)
 """
 import argparse
