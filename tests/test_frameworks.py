@@ -210,10 +210,6 @@ def test_lightning_checkpoint_writes_are_recorded(agent, lightning_run):
                            ("epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt", "last.ckpt")}
 
 
-@pytest.mark.xfail(strict=True, reason="identity is cached at the first save: Lightning's rank 0 "
-                   "is the process the user started, and its launcher sets LOCAL_RANK, "
-                   "WORLD_SIZE and MASTER_ADDR/PORT in os.environ only later, so after an early "
-                   "torch.save rank 0's later writes keep local_rank=None and master=None")
 def test_lightning_rank0_identity_is_complete_after_an_early_save(agent, lightning_run):
     job, out = lightning_run
     writes = {w["path"]: w for w in records_of(agent, job, "write")}
@@ -222,3 +218,5 @@ def test_lightning_rank0_identity_is_complete_after_an_early_save(agent, lightni
     assert [(w["rank"], w["local_rank"], w["world_size"]) for w in probes] == [
         (0, 0, 2), (1, 1, 2)]
     assert probes[0]["master"] is not None and probes[0]["master"] == probes[1]["master"]
+    # Lightning exports NODE_RANK (not torchrun's GROUP_RANK).
+    assert [w["node_rank"] for w in probes] == [0, 0]

@@ -165,3 +165,10 @@ print(json.dumps({{"before": before, "rank": after["rank"], "world": after["worl
 """)
     assert result == {"before": None, "rank": 0, "world": 1}
 
+
+
+def test_node_rank_from_lightning_style_NODE_RANK():
+    from monitor.identity import from_environ
+    assert from_environ({"NODE_RANK": "3"})["node_rank"] == 3
+    # torchrun's GROUP_RANK wins where both are set.
+    assert from_environ({"NODE_RANK": "3", "GROUP_RANK": "1"})["node_rank"] == 1
