@@ -7,7 +7,6 @@ checkpoint still loads.
 """
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
@@ -63,7 +62,8 @@ def _run_job(workdir: str, sock: str, nproc: int, mode: str, job: str) -> float:
     env["CKPTWATCH_JOB"] = job
     env.setdefault("OMP_NUM_THREADS", "1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           "--nproc-per-node", str(nproc), "-m", "monitor.demo_job", "--out", out, "--save", mode]
+           "--nproc-per-node", str(nproc), "-m", "monitor.demo_job", "--out", out, "--save", mode,
+           "--width", "2048"]   # 32 MiB of weights: long enough saves to overlap for sure
     started = time.monotonic()
     result = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
@@ -78,13 +78,20 @@ def _collisions(journal: str) -> list[dict]:
     return [r for r in read_records(journal) if r.get("type") == "collision"]
 
 
-def _load_verdict(path: str) -> str:
+def _load_verdict(path: str, collided: bool) -> str:
     import torch
+    from monitor.demo_job import consistency
     try:
-        torch.load(path, map_location="cpu", weights_only=False)
+        state = torch.load(path, map_location="cpu", weights_only=False)
     except Exception as exc:  # the point of the demo is to show this failure
         return f"torch.load FAILS: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
-    return "torch.load succeeds"
+    mixed = consistency(state)
+    if mixed:
+        return "torch.load succeeds, but the contents are MIXED:\n    " + mixed
+    verdict = f"torch.load succeeds and holds rank {state['writer_rank']}'s checkpoint"
+    if collided:
+        verdict += "\n    (one writer's bytes won this time; the next run may tear the file)"
+    return verdict
 
 
 def _metric_lines(url: str) -> list[str]:
@@ -135,8 +142,8 @@ def run(nproc: int = 4, keep: bool = False) -> int:
         for job in ("buggy", "fixed"):
             path = os.path.join(workdir, job, "last.pt")
             hit = any(c["path"] == path for c in _collisions(journal))
-            _say(f"  {job}/last.pt: {_load_verdict(path)}; "
-                 f"{'COLLISION reported' if hit else 'no collision reported'}")
+            _say(f"  {job}/last.pt: {'COLLISION reported' if hit else 'no collision reported'}")
+            _say(f"    {_load_verdict(path, hit)}")
         buggy_hit = any(c["path"].endswith("/buggy/last.pt") for c in _collisions(journal))
         fixed_hit = any(c["path"].endswith("/fixed/last.pt") for c in _collisions(journal))
         if not buggy_hit or fixed_hit:

@@ -34,6 +34,21 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
+def sampler_indices(rank: int) -> "torch.Tensor":
+    """This rank's data-loader position: a different length per rank, as uneven shards give."""
+    return torch.arange(rank * 1000, rank * 1000 + 5000 + 997 * rank)
+
+
+def consistency(state: dict) -> str | None:
+    """None if a loaded demo checkpoint is one rank's own, else what is mixed up."""
+    rank = state.get("writer_rank")
+    if not isinstance(rank, int) or not torch.equal(state.get("sampler_indices"),
+                                                    sampler_indices(rank)):
+        return (f"the metadata says rank {rank} wrote it, but the data-loader\n    "
+                "tensor is another rank's or garbage")
+    return None
+
+
 def save_checkpoint(state: dict, args, rank: int, local_rank: int) -> None:
     if args.save == "per-rank":
         torch.save(state, os.path.join(args.out, f"last-rank{rank}.pt"))
@@ -69,7 +84,7 @@ def main(argv=None) -> int:
         # Per-rank state of different sizes, as an uneven data shard gives.
         state = {"epoch": epoch, "model": model.state_dict(), "optimizer": opt.state_dict(),
                  "rng": torch.get_rng_state(),
-                 "sampler_indices": torch.arange(rank * 1000, rank * 1000 + 5000 + 997 * rank)}
+                 "sampler_indices": sampler_indices(rank), "writer_rank": rank}
         dist.barrier()
         save_checkpoint(state, args, rank, local_rank)
         dist.barrier()
