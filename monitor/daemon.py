@@ -28,6 +28,7 @@ log = logging.getLogger("ckptwatch.agent")
 
 TICK_SECONDS = 0.2          # detector.tick() cadence: settles collisions, expires old writes
 BATCH = 4096                # events taken from the queue per turn
+MAX_BACKLOG = 20_000        # events waiting before ingest stops reading (~40 MB, ~0.5 s of flood)
 STALL_SECONDS = 30.0        # /healthz fails when the loop has not turned for this long
 
 
@@ -73,17 +74,38 @@ def health_check(ingest: IngestServer, heartbeat: list[float]):
     return health
 
 
-def _take(inbox: queue.SimpleQueue, timeout: float) -> list[dict]:
-    try:
-        batch = [inbox.get(timeout=timeout)]
-    except queue.Empty:
-        return []
-    while len(batch) < BATCH:
+class Inbox:
+    """Event batches from the ingest thread to the loop, with a count for back-pressure."""
+
+    def __init__(self):
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._pending = 0
+
+    def put(self, batch: list) -> None:
+        with self._lock:
+            self._pending += len(batch)
+        self._queue.put(batch)
+
+    def backlog(self) -> int:
+        """Events waiting for the loop."""
+        return self._pending
+
+    def take(self, timeout: float) -> list[dict]:
+        """Up to about BATCH events; waits up to `timeout` for the first batch."""
         try:
-            batch.append(inbox.get_nowait())
+            batch = list(self._queue.get(timeout=timeout)) if timeout else \
+                list(self._queue.get_nowait())
         except queue.Empty:
-            break
-    return batch
+            return []
+        while len(batch) < BATCH:
+            try:
+                batch.extend(self._queue.get_nowait())
+            except queue.Empty:
+                break
+        with self._lock:
+            self._pending -= len(batch)
+        return batch
 
 
 def _install_signal_handlers(stop: threading.Event) -> dict:
@@ -101,8 +123,9 @@ def run(config: Config, stop: threading.Event | None = None) -> int:
     logformat.configure(config.log_level, config.log_format)
     stop = stop or threading.Event()
     state = MetricsState()
-    inbox: queue.SimpleQueue = queue.SimpleQueue()
-    ingest = IngestServer(config.socket, inbox.put, state.event_rejected,
+    inbox = Inbox()
+    ingest = IngestServer(config.socket, None, state.event_rejected, on_events=inbox.put,
+                          backlog=inbox.backlog, max_backlog=MAX_BACKLOG,
                           socket_mode=config.socket_mode, socket_group=config.socket_group)
     heartbeat = [time.monotonic()]
     server = MetricsServer(config.listen_address, build_registry(state),
@@ -167,14 +190,14 @@ def _handle(batch: list[dict], detector: Detector, outputs: Exporters,
 
 
 def _drain(inbox, detector, outputs, state) -> None:
-    while batch := _take(inbox, 0):
+    while batch := inbox.take(0):
         _handle(batch, detector, outputs, state)
 
 
 def _loop(stop, inbox, detector, outputs, state, ingest, heartbeat) -> None:
     next_tick = time.monotonic()
     while not stop.is_set():
-        batch = _take(inbox, TICK_SECONDS)
+        batch = inbox.take(TICK_SECONDS)
         if batch:
             _handle(batch, detector, outputs, state)
         now = time.monotonic()

@@ -121,6 +121,12 @@ class _Entry:
         return self.write
 
 
+# Writer's fields in its constructor's order (see monitor.model.Writer).
+_WRITER_FIELDS = ("node", "pid", "rank", "local_rank", "world_size", "local_world_size",
+                  "node_rank", "job", "master", "restart")
+_MAX_CACHED_WRITERS = 65536
+
+
 def _sort_key(entry: _Entry) -> tuple:
     return (entry.start_mono, entry.order)
 
@@ -245,6 +251,7 @@ class Detector:
         self._paths: OrderedDict[str, _PathState] = OrderedDict()   # least recent first
         self._open: dict[tuple, _Entry] = {}
         self._open_by_proc: dict[tuple, set] = {}
+        self._writers: dict[tuple, Writer] = {}
         self._active: dict[str, int] = {}
         self._lost_keys: OrderedDict[tuple, None] = OrderedDict()
         self._suspects: set = set()
@@ -314,6 +321,17 @@ class Detector:
 
     # ------------------------------------------------------------------ events
 
+    def _writer(self, event: dict) -> Writer:
+        # One Writer per distinct identity: a process saves many times, and building a frozen
+        # dataclass per event is a measurable share of the agent's per-event cost.
+        key = tuple(map(event.get, _WRITER_FIELDS))
+        writer = self._writers.get(key)
+        if writer is None:
+            if len(self._writers) >= _MAX_CACHED_WRITERS:
+                self._writers.clear()
+            writer = self._writers[key] = Writer(*key)
+        return writer
+
     def _note_process_time(self, proc: tuple, event: dict) -> None:
         # Any event of a process tells us it was alive then: the "last time known" for its
         # other in-flight writes if they are ever closed as lost.
@@ -330,7 +348,7 @@ class Detector:
         if key in self._open or key in self._lost_keys:
             return   # a duplicate start, or one whose write was already closed as lost
         state = self._state_for(event["path"], now, out)
-        entry = _Entry(Writer.from_event(event), event["path"], event["seq"], event["wall"],
+        entry = _Entry(self._writer(event), event["path"], event["seq"], event["wall"],
                        event["mono"], event.get("site"), event.get("func"), next(self._order),
                        max(event["mono"], now))
         insort(state.entries, entry, key=_sort_key)
@@ -351,7 +369,7 @@ class Detector:
         if entry is None:
             # The start was dropped (or seen before an eviction): the end stands alone.
             state = self._state_for(event["path"], now, out)
-            entry = _Entry(Writer.from_event(event), event["path"], event["seq"],
+            entry = _Entry(self._writer(event), event["path"], event["seq"],
                            event["start_wall"], event["start_mono"], event.get("site"),
                            event.get("func"), next(self._order), now)
             insort(state.entries, entry, key=_sort_key)

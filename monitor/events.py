@@ -120,8 +120,40 @@ def _check(event: dict, fields: tuple, required: bool) -> None:
             raise EventError(REJECT_INCOMPLETE, f"field {name!r} has type {type(value).__name__}")
 
 
+_FAST_OPT_INT = ("rank", "local_rank", "world_size", "local_world_size", "node_rank", "restart")
+_FAST_OPT_STR = ("job", "master", "site", "func")
+_FAST_NUM = ("wall", "mono")
+_FAST_END_NUM = ("start_wall", "start_mono")
+
+
+def _is_valid_write(e: dict) -> bool:
+    """One-pass check of a start/end event: the agent's hot path (50k events/s).
+
+    True means valid; False means "look closer": validate() then runs the field-by-field
+    checks, which find the reason. Must accept exactly what those checks accept. The field
+    groups are checked with map() over dict.get, so the loops run in C, not in bytecode;
+    an absent optional field reads as None, which every optional type allows.
+    """
+    get = e.get
+    pid, path = get("pid"), get("path")
+    if not (type(get("node")) is str and type(pid) is int and pid > 0
+            and type(get("seq")) is int and type(path) is str and path[:1] == "/"
+            and set(map(type, map(get, _FAST_NUM))) <= _NUM
+            and set(map(type, map(get, _FAST_OPT_INT))) <= _OPT_INT
+            and set(map(type, map(get, _FAST_OPT_STR))) <= _OPT_STR):
+        return False
+    kind = e["type"]
+    if kind == "start":
+        return True
+    return (kind == "end" and set(map(type, map(get, _FAST_END_NUM))) <= _NUM
+            and type(get("outcome")) is str and type(get("bytes")) in _OPT_INT)
+
+
 def validate(event: object) -> dict:
     """Return the event if it is a valid version-1 event, else raise EventError."""
+    if (type(event) is dict and type(event.get("v")) is int and event["v"] == SCHEMA_VERSION
+            and type(event.get("type")) is str and _is_valid_write(event)):
+        return event
     if type(event) is not dict:
         raise EventError(REJECT_MALFORMED, "not a JSON object")
     version = event.get("v")

@@ -133,3 +133,17 @@ def test_default_journal_path(tmp_path):
             "/s/ckptwatch/journal.jsonl"
         assert default_journal_path({"HOME": "/h"}, euid=1000) == \
             "/h/.local/state/ckptwatch/journal.jsonl"
+
+
+def test_fast_write_record_equals_the_model_record():
+    """exporters.journal.write_record is a hand-built copy of Write.to_record for speed: the
+    two must never drift apart (same keys, same order, same values)."""
+    from exporters.journal import write_record
+    from monitor.model import Write, Writer
+    for writer in (Writer(node="n", pid=3), Writer("n2", 4, 1, 1, 8, 4, 0, "j", "h:1", 2)):
+        for end in (None, 12.5):
+            w = Write(writer=writer, path="/c/x.pt", seq=7, start_wall=100.0, start_mono=10.0,
+                      end_wall=None if end is None else 102.5, end_mono=end, bytes=5,
+                      outcome="ok", site="t.py:1", func="f")
+            expected = {"type": "write", **w.to_record()}
+            assert list(write_record(w).items()) == list(expected.items())
