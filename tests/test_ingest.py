@@ -289,3 +289,40 @@ def test_namespace_pid_reads_the_innermost_nspid(tmp_path):
     assert namespace_pid(42, proc_root=str(tmp_path)) == 1
     assert namespace_pid(43, proc_root=str(tmp_path)) is None
     assert namespace_pid(os.getpid()) == os.getpid()   # innermost = what getpid() says
+
+
+def test_backlog_above_the_limit_pauses_reading_until_the_consumer_catches_up(sockdir,
+                                                                               no_thread_leak):
+    got, rejects = [], []
+    backlog = [10]   # the consumer's queue, as the daemon's Inbox would report it
+    srv = IngestServer(os.path.join(sockdir, "bp.sock"), None, rejects.append,
+                       on_events=got.extend, backlog=lambda: backlog[0], max_backlog=5)
+    srv.start()
+    try:
+        with connect(srv.path) as sock:
+            sock.sendall(b"".join(events.encode(start_event(seq=i)) for i in range(50)))
+            time.sleep(0.3)      # proving an absence: nothing may be read while backed up
+            assert got == []
+            backlog[0] = 0
+            wait_for(lambda: len(got) == 50, message="events after the backlog cleared")
+        assert [e["seq"] for e in got] == list(range(50)) and rejects == []
+    finally:
+        srv.stop()
+
+
+def test_batched_delivery_hands_over_lists_of_valid_events_only(sockdir, no_thread_leak):
+    batches, rejects = [], []
+    srv = IngestServer(os.path.join(sockdir, "b.sock"), None, rejects.append,
+                       on_events=batches.append)
+    srv.start()
+    try:
+        with connect(srv.path) as sock:
+            frames = [events.encode(start_event(seq=i)) for i in range(100)]
+            frames.insert(50, events.encode(start_event(pid=1)))   # a spoofed one in between
+            sock.sendall(b"".join(frames))
+            wait_for(lambda: sum(map(len, batches)) == 100 and rejects)
+        assert all(isinstance(b, list) and b for b in batches)
+        assert [e["seq"] for b in batches for e in b] == list(range(100))
+        assert rejects == ["pid_mismatch"]
+    finally:
+        srv.stop()
