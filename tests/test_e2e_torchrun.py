@@ -151,3 +151,23 @@ def test_two_nodes_with_local_rank0_guard_collide_on_shared_storage(agent):
     assert {(w["node"], w["rank"], w["local_rank"]) for w in c["writers"]} == {
         ("node-a", 0, 0), ("node-b", 2, 0)}
     assert c["kind"] == "concurrent"
+
+
+def test_real_prometheus_scrapes_the_agent_and_the_collision_alert_goes_pending(agent):
+    """The fleet path: a real Prometheus with the shipped scrape settings and alert rules,
+    scraping the real agent after a real 2-rank collision."""
+    from prom import start_prometheus, wait_for_query
+    job, out = run_job(agent, "every-rank", nproc=2)
+    wait_for(lambda: collisions_of(agent, job), timeout=30, message="collision record")
+    rules = os.path.join(REPO_ROOT, "deploy", "prometheus", "ckptwatch-rules.yml")
+    target = agent.url.split("//", 1)[1].rstrip("/")
+    with start_prometheus([target], rule_files=[rules]) as prom:
+        result = wait_for_query(
+            prom, f'ckptwatch_collisions_total{{job="{job}",kind="concurrent"}}')
+        assert [r["value"][1] for r in result] == ["1"]
+        assert result[0]["metric"]["scope"] == "node"
+        ranks = prom.query(f'ckptwatch_writes_total{{job="{job}"}}')
+        assert sorted(r["metric"]["rank"] for r in ranks) == ["0", "1"]
+        alerts = wait_for_query(
+            prom, f'ALERTS{{alertname="CkptwatchConcurrentWriteCollision",job="{job}"}}')
+        assert alerts[0]["metric"]["severity"] == "critical"
