@@ -203,7 +203,10 @@ def render_collision(c: Collision, width: int = 80) -> list:
             lines += _wrapped("", f"{_who(w)}: the save raised {clean(w.outcome)}", width)
     last = c.last
     if c.kind == KIND_CONCURRENT:
-        lines += _wrapped("last to finish: ", f"{_who(last)}, its bytes are on disk", width)
+        # Not "its bytes are on disk": every writer truncated and wrote the same file, so what
+        # is on disk is usually a mix (the demo shows files that fail to load).
+        lines += _wrapped("last to finish: ", f"{_who(last)}; the file on disk may mix "
+                          "bytes of every writer", width)
     else:
         lines += _wrapped("last write: ", f"{_who(last)}, its bytes are on disk", width)
     sites = call_sites(c)
