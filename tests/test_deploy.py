@@ -418,8 +418,8 @@ def test_systemd_unit_is_hardened_and_runs_the_agent():
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze missing")
 def test_systemd_analyze_verify(tmp_path):
     # verify insists that ExecStart exists: point it at this environment's ckptwatch script.
-    exe = shutil.which("ckptwatch") or os.path.join(os.path.dirname(sys.executable),
-                                                    "ckptwatch")
+    exe = os.path.abspath(shutil.which("ckptwatch") or
+                          os.path.join(os.path.dirname(sys.executable), "ckptwatch"))
     assert os.access(exe, os.X_OK)
     with open(UNIT) as f:
         text = f.read().replace("/usr/local/bin/ckptwatch", exe)
