@@ -221,7 +221,8 @@ def build_parser(prog: str = "ckptwatch agent") -> argparse.ArgumentParser:
                "(web: {listen-address: ...}) or flat (\"web.listen-address\": ...). "
                "Flags override the file. Invalid configuration exits with code 2. "
                "The agent checks each event's pid against the sending process, so it must "
-               "share the pid namespace of the training processes (hostPID on Kubernetes).")
+               "see the training processes (hostPID on Kubernetes; the trainers' own pid "
+               "namespaces are fine).")
     parser.add_argument("--config.file", dest="config_file", metavar="PATH", default=None,
                         help="TOML (.toml) or YAML (.yaml/.yml) file with any of the settings "
                              "below (default: none)")
