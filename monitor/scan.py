@@ -1,0 +1,270 @@
+"""`ckptwatch scan PATH... [--deep] [--format table|json] [--include GLOB...]`
+
+Verifies every checkpoint under the given paths with monitor/integrity.py and prints one line
+per file (status, format, size, path; the reason below it), then a summary. Readable in 80
+columns; a progress bar goes to stderr, only when stderr is a terminal.
+
+Exit codes: 0 nothing corrupt; 1 at least one corrupt file; 2 a usage error. A PATH that does
+not exist is a usage error: it is reported on stderr, the other paths are still scanned and
+reported, and the exit code is 2 (the scan is incomplete, so it must not pass as clean).
+Files or directories that cannot be read are listed as "unverifiable" with the OS error and
+counted in the summary; they do not change the exit code by themselves.
+
+The CLI wires it in with add_arguments(parser) and run(args).
+"""
+from __future__ import annotations
+
+import fnmatch
+import json
+import os
+import sys
+import textwrap
+import time
+from dataclasses import dataclass
+
+from monitor import integrity
+
+DEFAULT_PATTERNS = ("*.pt", "*.pth", "*.bin", "*.ckpt", "*.safetensors", "*.distcp")
+
+EXIT_OK = 0
+EXIT_CORRUPT = 1
+EXIT_USAGE = 2
+
+WIDTH = 80
+
+
+@dataclass
+class Result:
+    """One scanned file: where, how big, and the verdict."""
+
+    path: str
+    size: int | None
+    verdict: integrity.Verdict
+    seconds: float = 0.0
+
+    def to_json(self) -> dict:
+        v = self.verdict
+        return {"path": self.path, "size": self.size, "status": v.status, "format": v.format,
+                "reason": v.reason, "details": v.details, "seconds": round(self.seconds, 6)}
+
+
+def add_arguments(parser) -> None:
+    """Add scan's arguments to an argparse (sub)parser."""
+    parser.description = ("Verify checkpoint files on disk: structure (zip directory, headers, "
+                          "tensor sizes vs the pickled metadata) and, with --deep, every "
+                          "record's CRC32. Exit 1 if anything is corrupt.")
+    parser.add_argument("paths", nargs="+", metavar="PATH",
+                        help="files or directories (searched recursively)")
+    parser.add_argument("--deep", action="store_true",
+                        help="also check every record's CRC32 (reads every byte)")
+    parser.add_argument("--format", choices=("table", "json"), default="table",
+                        help="output format (default table)")
+    parser.add_argument("--include", action="append", metavar="GLOB", default=None,
+                        help="file name pattern to verify in directories, repeatable "
+                             f"(default: {' '.join(DEFAULT_PATTERNS)}); files named on the "
+                             "command line are always verified")
+    parser.add_argument("--max-rate", type=float, metavar="MiB/s", default=None,
+                        help="cap the --deep read rate (default: no cap)")
+
+
+def find_files(paths, patterns=DEFAULT_PATTERNS, errors=None):
+    """(files, missing): checkpoint files under paths, in a stable order, and the paths that do
+    not exist. Unreadable directories are appended to `errors` as (path, OSError)."""
+    files, missing, seen = [], [], set()
+
+    def add(path):
+        key = os.path.realpath(path)
+        if key not in seen:
+            seen.add(key)
+            files.append(path)
+
+    def onerror(err):
+        if errors is not None:
+            errors.append((err.filename, err))
+
+    for top in paths:
+        if not os.path.lexists(top):
+            missing.append(top)
+        elif os.path.isdir(top):
+            for root, dirs, names in os.walk(top, onerror=onerror):
+                dirs.sort()
+                for name in sorted(names):
+                    if any(fnmatch.fnmatch(name, p) for p in patterns):
+                        add(os.path.join(root, name))
+        else:
+            add(top)
+    return files, missing
+
+
+def scan(paths, deep=False, patterns=DEFAULT_PATTERNS, max_bytes_per_second=None,
+         on_result=None, progress=None):
+    """Verify every checkpoint under paths. Returns (results, missing paths).
+
+    on_result(Result) is called as each file finishes; progress(done_files, total_files,
+    done_bytes, total_bytes) before each file and at the end.
+    """
+    errors = []
+    files, missing = find_files(paths, patterns, errors)
+    sizes = []
+    for path in files:
+        try:
+            sizes.append(os.stat(path).st_size)
+        except OSError:
+            sizes.append(None)
+    total_bytes = sum(s or 0 for s in sizes)
+    results, done_bytes = [], 0
+    for (path, err) in errors:
+        result = Result(path, None, integrity.Verdict(
+            integrity.UNVERIFIABLE, integrity.FMT_UNKNOWN,
+            f"cannot read directory: {err.strerror or err}"))
+        results.append(result)
+        if on_result:
+            on_result(result)
+    for i, (path, size) in enumerate(zip(files, sizes)):
+        if progress:
+            progress(i, len(files), done_bytes, total_bytes)
+        started = time.monotonic()
+        verdict = integrity.verify(path, deep=deep, max_bytes_per_second=max_bytes_per_second)
+        result = Result(path, size, verdict, time.monotonic() - started)
+        results.append(result)
+        done_bytes += size or 0
+        if on_result:
+            on_result(result)
+    if progress:
+        progress(len(files), len(files), done_bytes, total_bytes)
+    return results, missing
+
+
+def exit_code(results, missing) -> int:
+    if missing:
+        return EXIT_USAGE
+    if any(r.verdict.status == integrity.CORRUPT for r in results):
+        return EXIT_CORRUPT
+    return EXIT_OK
+
+
+def run(args, out=None, err=None) -> int:
+    """Run `ckptwatch scan` with parsed args; returns the exit code."""
+    try:
+        return _run(args, out or sys.stdout, err or sys.stderr)
+    except BrokenPipeError:
+        # `ckptwatch scan DIR | head`: the reader left; stop quietly like other Unix tools.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return EXIT_OK
+
+
+def _run(args, out, err) -> int:
+    patterns = tuple(args.include) if args.include else DEFAULT_PATTERNS
+    rate = args.max_rate * (1 << 20) if getattr(args, "max_rate", None) else None
+    bar = ProgressBar(err) if args.format == "table" and _isatty(err) else None
+    started = time.monotonic()
+
+    def show(result):
+        if args.format != "table":
+            return
+        if bar:
+            bar.clear()
+        out.write(format_line(result))
+        out.flush()
+
+    results, missing = scan(args.paths, deep=args.deep, patterns=patterns,
+                            max_bytes_per_second=rate, on_result=show,
+                            progress=bar.update if bar else None)
+    if bar:
+        bar.clear()
+    elapsed = time.monotonic() - started
+    for path in missing:
+        err.write(f"ckptwatch scan: {path}: no such file or directory\n")
+    if args.format == "json":
+        json.dump({"files": [r.to_json() for r in results],
+                   "summary": summary(results, elapsed, args.deep),
+                   "missing": missing, "exit_code": exit_code(results, missing)},
+                  out, indent=2)
+        out.write("\n")
+    else:
+        if not results:
+            out.write("no checkpoint files found (patterns: " + " ".join(patterns) + ")\n")
+        out.write(summary_line(results, elapsed, args.deep, missing))
+    return exit_code(results, missing)
+
+
+# ---------------------------------------------------------------------------- formatting
+
+def human_bytes(n) -> str:
+    """33642737 -> '32.1MiB'; None -> '-'."""
+    if n is None:
+        return "-"
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{int(value)}B" if unit == "B" else f"{value:.1f}{unit}"
+        value /= 1024
+    return f"{value:.1f}TiB"
+
+
+def format_line(result: Result) -> str:
+    """`corrupt       torch-zip      32.1MiB  path` and the reason wrapped below, in 80 cols."""
+    v = result.verdict
+    line = f"{v.status:<12} {v.format:<12} {human_bytes(result.size):>9}  {result.path}\n"
+    if v.reason:
+        line += textwrap.fill(v.reason, WIDTH, initial_indent="    ",
+                              subsequent_indent="    ", break_on_hyphens=False) + "\n"
+    return line
+
+
+def summary(results, elapsed: float, deep: bool) -> dict:
+    counts = {integrity.OK: 0, integrity.CORRUPT: 0, integrity.UNVERIFIABLE: 0}
+    for r in results:
+        counts[r.verdict.status] = counts.get(r.verdict.status, 0) + 1
+    return {"files": len(results), "bytes": sum(r.size or 0 for r in results),
+            "seconds": round(elapsed, 3), "deep": deep, **counts}
+
+
+def summary_line(results, elapsed: float, deep: bool, missing=()) -> str:
+    s = summary(results, elapsed, deep)
+    line = (f"{s['files']} files, {human_bytes(s['bytes'])} in {elapsed:.1f}s "
+            f"({'deep' if deep else 'structural'}): {s['ok']} ok, {s['corrupt']} corrupt, "
+            f"{s['unverifiable']} unverifiable")
+    if missing:
+        line += f"; {len(missing)} path(s) not found"
+    return textwrap.fill(line, WIDTH) + "\n"
+
+
+def _isatty(stream) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):
+        return False
+
+
+class ProgressBar:
+    """One self-erasing line on a terminal: files and bytes done. Drawn at most 10 times a
+    second, and only once a scan has run for half a second (short scans stay quiet)."""
+
+    def __init__(self, stream, clock=time.monotonic, delay: float = 0.5):
+        self.stream, self.clock = stream, clock
+        self.start = clock()
+        self.delay = delay
+        self.last = 0.0
+        self.shown = False
+
+    def update(self, done, total, done_bytes, total_bytes) -> None:
+        now = self.clock()
+        if now - self.start < self.delay or now - self.last < 0.1:
+            return
+        self.last = now
+        frac = done_bytes / total_bytes if total_bytes else (done / total if total else 1)
+        width = 30
+        filled = int(frac * width)
+        text = (f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} files "
+                f"{human_bytes(done_bytes)}/{human_bytes(total_bytes)}")
+        self.stream.write(text[:WIDTH])
+        self.stream.flush()
+        self.shown = True
+
+    def clear(self) -> None:
+        if self.shown:
+            self.stream.write("\r\033[K")
+            self.stream.flush()
+            self.shown = False
