@@ -1,0 +1,394 @@
+"""Which processes hold a path open, in which mode, and which rank they are (psutil).
+
+The filesystem watcher sees *that* a checkpoint was opened for writing, never *who* opened it:
+inotify events carry no pid. This module answers "who" after the fact, by looking at the open
+files of running processes, and reads each holder's rank / local rank / job from its
+environment, the same variables the in-process hook reads (monitor.identity).
+
+Cost bounds (an agent may serve a node with thousands of processes):
+- only *candidate* processes are scanned: Python interpreters and known launchers
+  (is_candidate). Each process is classified once: before a scan, only pids that appeared
+  since the last update (at most every `min_refresh` seconds) have their name read, so a
+  job started a moment ago is found; the whole list is re-checked every `refresh_interval`
+  seconds (reused pids). When no candidate holds the path and `full_scan_fallback` is on,
+  every other process is scanned once (counted as a full scan): that is how a C++ or shell
+  writer is still attributed;
+- per path, a result younger than `min_interval` is reused, unless the caller says the path
+  changed (was opened or closed) after that scan began (`changed_after`): a change we have
+  not scanned for yet always gets a fresh scan;
+- environments are read once per process (keyed by pid and start time, so a reused pid is
+  not mistaken for the old process);
+- processes that vanish or deny access are skipped and counted, never raised.
+
+Limits: /proc/<pid>/environ is the environment the process was started with; variables a
+process exports into itself later (Lightning's rank 0 does) are not visible here. A file
+opened and closed between two scans is never attributed. The agent's own pid is excluded
+(its integrity checker reads checkpoints; that is not a torn read).
+"""
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+import psutil
+
+from monitor import identity
+
+# Process names (psutil name(), i.e. the kernel comm, at most 15 characters) and interpreter
+# prefixes that make a process a candidate checkpoint writer.
+CANDIDATE_NAMES = frozenset({"torchrun", "deepspeed", "accelerate", "pt_elastic", "mpirun",
+                             "srun", "lightning"})
+CANDIDATE_PREFIXES = ("python", "pypy", "ipython", "jupyter")
+
+WRITE_MODES = frozenset({"w", "a", "r+", "a+", "w+"})
+
+_O_ACCMODE = os.O_ACCMODE
+_ENV_CACHE_CAP = 4096
+
+
+@dataclass(frozen=True)
+class ProcWriter:
+    """One process holding a path open, with the identity its environment gives it.
+
+    `mode` is psutil's open mode: "r" (read only), "w" (write, truncated or not), "a"
+    (append), "r+" (read and write). Writers are every mode but "r".
+    """
+
+    pid: int
+    mode: str
+    rank: int | None = None
+    local_rank: int | None = None
+    world_size: int | None = None
+    job: str | None = None
+    node_rank: int | None = None
+    cmdline: tuple[str, ...] = ()
+    local_world_size: int | None = None
+    master: str | None = None
+    restart: int | None = None
+    node: str = ""
+    fd: int | None = None
+
+    @property
+    def writing(self) -> bool:
+        return self.mode in WRITE_MODES
+
+    def identity(self) -> dict:
+        """Writer fields in the shape of a hook event (monitor/events.py)."""
+        return {"node": self.node, "pid": self.pid, "rank": self.rank,
+                "local_rank": self.local_rank, "world_size": self.world_size,
+                "local_world_size": self.local_world_size, "node_rank": self.node_rank,
+                "job": self.job, "master": self.master, "restart": self.restart}
+
+
+def is_candidate(name: str, cmdline: list | tuple | None) -> bool:
+    """Whether a process looks like a Python / training process worth scanning."""
+    name = (name or "").lower()
+    if name in CANDIDATE_NAMES or name.startswith(CANDIDATE_PREFIXES):
+        return True
+    if cmdline:
+        exe = os.path.basename(str(cmdline[0])).lower()
+        return exe in CANDIDATE_NAMES or exe.startswith(CANDIDATE_PREFIXES)
+    return False
+
+
+def mode_from_flags(flags: int) -> str:
+    """psutil's mode string for open(2) flags (the fdinfo fallback uses it too)."""
+    acc = flags & _O_ACCMODE
+    if acc == os.O_RDONLY:
+        return "r"
+    if acc == os.O_WRONLY:
+        return "a" if flags & os.O_APPEND else "w"
+    return "a+" if flags & os.O_APPEND else "r+"
+
+
+def _proc_fd_opens(pid: int, path: str) -> list[tuple[int, str]]:
+    """(fd, mode) of `pid`'s descriptors open on `path`, from /proc (fallback for psutil).
+
+    Reads the fd symlinks and only the matching fds' fdinfo, whose `flags:` line is octal.
+    """
+    found = []
+    fd_dir = f"/proc/{pid}/fd"
+    for name in os.listdir(fd_dir):
+        try:
+            if os.readlink(f"{fd_dir}/{name}") != path:
+                continue
+            with open(f"/proc/{pid}/fdinfo/{name}") as f:
+                for line in f:
+                    if line.startswith("flags:"):
+                        found.append((int(name), mode_from_flags(int(line.split()[1], 8))))
+                        break
+        except (FileNotFoundError, ProcessLookupError, ValueError):
+            continue   # the fd was closed while we looked
+    return found
+
+
+class ProcScanner:
+    """Finds the processes that hold a path open. Thread-safe; see the module docstring.
+
+    node: the node name given to holders whose environment has no CKPTWATCH_NODE (the hook
+    uses CKPTWATCH_NODE or the host name; the agent passes its own node name, so both sources
+    name a writer the same way).
+    """
+
+    def __init__(self, node: str | None = None, refresh_interval: float = 5.0,
+                 min_refresh: float = 0.05, min_interval: float = 0.05,
+                 full_scan_fallback: bool = True,
+                 candidate: Callable[[str, list], bool] = is_candidate,
+                 exclude_pids: Iterable[int] | None = None,
+                 clock: Callable[[], float] = time.monotonic):
+        self.node = node or socket.gethostname()
+        self._refresh_interval = refresh_interval
+        self._min_refresh = min_refresh
+        self._min_interval = min_interval
+        self._full_scan_fallback = full_scan_fallback
+        self._candidate = candidate
+        self._exclude = set(exclude_pids) if exclude_pids is not None else {os.getpid()}
+        self._clock = clock
+        self._lock = threading.Lock()
+        # pid -> Process for candidates, None for processes classified as not one.
+        self._known: dict[int, psutil.Process | None] = {}
+        self._full_at = -float("inf")
+        self._update_at = -float("inf")
+        self._env_cache: dict[tuple[int, float], dict] = {}
+        self._results: dict[str, tuple[float, list[ProcWriter]]] = {}
+        self._stats = {"scans": 0, "last_seconds": 0.0, "total_seconds": 0.0, "errors": 0,
+                       "denied": 0, "vanished": 0, "cache_hits": 0, "full_scans": 0,
+                       "candidates": 0, "refreshes": 0, "updates": 0}
+
+    # ------------------------------------------------------------------ public API
+
+    def holders_of(self, path: str, candidates: Iterable | None = None,
+                   changed_after: float | None = None) -> list[ProcWriter]:
+        """Every process holding `path` open (readers and writers), one entry per fd.
+
+        candidates: pids or psutil.Process objects to scan instead of the cached candidate
+        list (no fallback then). changed_after: monotonic time at which a change to the path
+        (an open, a close) was seen; a cached result from a scan that began before it is not
+        reused.
+        """
+        path = os.path.abspath(path)
+        with self._lock:
+            now = self._clock()
+            if candidates is None:
+                cached = self._results.get(path)
+                if cached is not None and now - cached[0] < self._min_interval and (
+                        changed_after is None or cached[0] >= changed_after):
+                    self._stats["cache_hits"] += 1
+                    return list(cached[1])
+            started = time.perf_counter()
+            try:
+                # open_files() reports resolved paths (the fd's /proc link).
+                found = self._scan(os.path.realpath(path), candidates, now)
+            finally:
+                elapsed = time.perf_counter() - started
+                self._stats["scans"] += 1
+                self._stats["last_seconds"] = elapsed
+                self._stats["total_seconds"] += elapsed
+            if candidates is None:
+                self._results[path] = (now, found)
+                if len(self._results) > _ENV_CACHE_CAP:
+                    self._results.pop(next(iter(self._results)))
+            return list(found)
+
+    def writers_of(self, path: str, candidates: Iterable | None = None,
+                   changed_after: float | None = None) -> list[ProcWriter]:
+        """Processes holding `path` open with a write mode (one entry per process)."""
+        return _per_pid([p for p in self.holders_of(path, candidates, changed_after)
+                         if p.writing])
+
+    def readers_of(self, path: str, candidates: Iterable | None = None,
+                   changed_after: float | None = None) -> list[ProcWriter]:
+        """Processes holding `path` open read-only and not also for writing (torn reads)."""
+        holders = self.holders_of(path, candidates, changed_after)
+        writing = {p.pid for p in holders if p.writing}
+        return _per_pid([p for p in holders if not p.writing and p.pid not in writing])
+
+    def stats(self) -> dict:
+        """scans, last_seconds, total_seconds, errors, plus denied, vanished, cache_hits,
+        full_scans, candidates, refreshes (full), updates (incremental)."""
+        with self._lock:
+            return dict(self._stats)
+
+    # ------------------------------------------------------------------ scanning
+
+    def _scan(self, path: str, candidates, now: float) -> list[ProcWriter]:
+        if candidates is not None:
+            procs = [c if isinstance(c, psutil.Process) else _process(c) for c in candidates]
+            return self._scan_procs(path, [p for p in procs if p is not None])
+        if now - self._full_at >= self._refresh_interval:
+            self._update_candidates(now, full=True)
+        elif now - self._update_at >= self._min_refresh:
+            self._update_candidates(now, full=False)
+        found = self._scan_procs(path, [p for p in self._known.values() if p is not None])
+        if found or not self._full_scan_fallback:
+            return found
+        self._stats["full_scans"] += 1
+        others = []
+        for pid in psutil.pids():
+            if self._known.get(pid, None) is None and pid not in self._exclude:
+                proc = _process(pid)
+                if proc is not None:
+                    others.append(proc)
+        return self._scan_procs(path, others)
+
+    def _update_candidates(self, now: float, full: bool) -> None:
+        """Classify processes started since the last update (all of them when `full`).
+
+        The incremental update reads only the pid list and the new pids' names: cheap enough
+        to run before every attribution, so a job started a moment ago is not missed. The full
+        one also catches a pid reused by a new process.
+        """
+        pids = set(psutil.pids())
+        if full:
+            self._known = {pid: p for pid, p in self._known.items()
+                           if p is not None and _alive(p)}
+            self._full_at = now
+            self._stats["refreshes"] += 1
+        else:
+            self._stats["updates"] += 1
+        self._update_at = now
+        for pid in [pid for pid in self._known if pid not in pids]:
+            del self._known[pid]
+        for pid in pids:
+            if pid in self._known:
+                continue
+            if pid in self._exclude:
+                self._known[pid] = None
+                continue
+            proc = _process(pid)
+            if proc is None:
+                continue
+            try:
+                name = proc.name()
+            except psutil.Error:
+                continue   # gone, or not ours to read: retried on the next update
+            try:
+                cmdline = proc.cmdline()
+            except psutil.Error:
+                cmdline = []
+            self._known[pid] = proc if self._candidate(name, cmdline) else None
+        self._stats["candidates"] = sum(1 for p in self._known.values() if p is not None)
+        if full:
+            live = {(p.pid, _create_time(p)) for p in self._known.values() if p is not None}
+            for key in [k for k in self._env_cache if k not in live]:
+                del self._env_cache[key]
+
+    def _scan_procs(self, path: str, procs) -> list[ProcWriter]:
+        found = []
+        for proc in procs:
+            try:
+                opens = self._opens(proc, path)
+                if not opens:
+                    continue
+                ident = self._identity(proc)
+                for fd, mode in opens:
+                    found.append(ProcWriter(
+                        pid=proc.pid, mode=mode, rank=ident["rank"],
+                        local_rank=ident["local_rank"], world_size=ident["world_size"],
+                        job=ident["job"], node_rank=ident["node_rank"],
+                        cmdline=ident["cmdline"], local_world_size=ident["local_world_size"],
+                        master=ident["master"], restart=ident["restart"],
+                        node=ident["node"], fd=fd))
+            except psutil.NoSuchProcess:
+                self._stats["vanished"] += 1
+            except psutil.AccessDenied:
+                self._stats["denied"] += 1
+            except Exception:   # a scan must never fail the agent; counted instead
+                self._stats["errors"] += 1
+        return found
+
+    def _opens(self, proc: psutil.Process, path: str) -> list[tuple[int, str]]:
+        try:
+            files = proc.open_files()
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            raise
+        except Exception:
+            files = None
+        if files is not None and all(hasattr(f, "mode") for f in files):
+            return [(f.fd, f.mode) for f in files if f.path == path]
+        try:   # psutil failed or has no modes here: read the flags from /proc ourselves
+            return _proc_fd_opens(proc.pid, path)
+        except FileNotFoundError as exc:
+            raise psutil.NoSuchProcess(proc.pid) from exc
+        except PermissionError as exc:
+            raise psutil.AccessDenied(proc.pid) from exc
+
+    def _identity(self, proc: psutil.Process) -> dict:
+        key = (proc.pid, _create_time(proc))
+        ident = self._env_cache.get(key)
+        if ident is not None:
+            return ident
+        environ = proc.environ()
+        # from_environ describes the *calling* process's pid and host: keep its field parsing,
+        # replace those two with the scanned process's.
+        ident = identity.from_environ(environ)
+        ident["pid"] = proc.pid
+        ident["node"] = environ.get(identity.NODE_ENV) or self.node
+        try:
+            ident["cmdline"] = tuple(proc.cmdline())
+        except psutil.Error:
+            ident["cmdline"] = ()
+        if len(self._env_cache) >= _ENV_CACHE_CAP:
+            self._env_cache.clear()
+        self._env_cache[key] = ident
+        return ident
+
+
+def _process(pid: int) -> psutil.Process | None:
+    try:
+        return psutil.Process(int(pid))
+    except psutil.Error:
+        return None
+
+
+def _alive(proc: psutil.Process) -> bool:
+    try:
+        return proc.is_running()
+    except psutil.Error:
+        return False
+
+
+def _create_time(proc: psutil.Process) -> float:
+    try:
+        return proc.create_time()
+    except psutil.Error:
+        return 0.0
+
+
+def _per_pid(holders: list[ProcWriter]) -> list[ProcWriter]:
+    seen: dict[int, ProcWriter] = {}
+    for p in holders:
+        seen.setdefault(p.pid, p)
+    return sorted(seen.values(), key=lambda p: p.pid)
+
+
+_default: ProcScanner | None = None
+_default_lock = threading.Lock()
+
+
+def default_scanner() -> ProcScanner:
+    """A process-wide scanner for the module-level helpers."""
+    global _default
+    with _default_lock:
+        if _default is None:
+            _default = ProcScanner()
+        return _default
+
+
+def writers_of(path: str, candidates: Iterable | None = None) -> list[ProcWriter]:
+    """Processes holding `path` open for writing, with rank/job (see ProcScanner)."""
+    return default_scanner().writers_of(path, candidates)
+
+
+def readers_of(path: str, candidates: Iterable | None = None) -> list[ProcWriter]:
+    """Processes holding `path` open read-only (see ProcScanner)."""
+    return default_scanner().readers_of(path, candidates)
+
+
+def stats() -> dict:
+    """The default scanner's stats()."""
+    return default_scanner().stats()

@@ -1,0 +1,204 @@
+"""procscan: real subprocesses holding real files open, attributed with their rank and job."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import psutil
+
+from helpers import subprocess_env, wait_for
+from monitor import procscan
+from monitor.procscan import ProcScanner, ProcWriter, mode_from_flags
+
+# Opens argv[1] with mode argv[2], writes a little, says "ready", holds it until stdin closes.
+HOLDER = r"""
+import sys
+f = open(sys.argv[1], sys.argv[2])
+if "r" not in sys.argv[2] or "+" in sys.argv[2]:
+    f.write(b"x" * 10); f.flush()
+print("ready", flush=True)
+sys.stdin.read()
+"""
+
+
+class Holder:
+    """A subprocess holding a path open; a context manager that always reaps it."""
+
+    def __init__(self, path, mode="wb", argv=None, **env):
+        argv = argv or [sys.executable, "-c", HOLDER, path, mode]
+        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     env=subprocess_env(**env), text=True)
+        line = self.proc.stdout.readline()
+        assert line.strip() == "ready", line
+
+    @property
+    def pid(self):
+        return self.proc.pid
+
+    def close(self):
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            self.proc.wait(timeout=10)
+        self.proc.stdout.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        try:
+            self.close()
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def test_writer_found_with_rank_and_job_from_its_environment(tmp_path):
+    path = str(tmp_path / "model.pt")
+    scanner = ProcScanner(node="node-a")
+    with Holder(path, RANK=3, LOCAL_RANK=1, WORLD_SIZE=8, GROUP_RANK=0,
+                TORCHELASTIC_RUN_ID="job-42", MASTER_ADDR="10.0.0.1", MASTER_PORT=29500,
+                TORCHELASTIC_RESTART_COUNT=2) as h:
+        writers = scanner.writers_of(path)
+        assert [w.pid for w in writers] == [h.pid]
+        w = writers[0]
+        assert (w.mode, w.rank, w.local_rank, w.world_size, w.node_rank, w.job) == \
+               ("w", 3, 1, 8, 0, "job-42")
+        assert (w.master, w.restart, w.node) == ("10.0.0.1:29500", 2, "node-a")
+        assert w.cmdline[0] == sys.executable and path in w.cmdline
+        assert scanner.readers_of(path) == []
+        assert w.identity()["pid"] == h.pid
+    stats = scanner.stats()
+    assert stats["scans"] >= 1 and stats["total_seconds"] > 0 and stats["last_seconds"] > 0
+    assert stats["errors"] == 0
+
+
+def test_ckptwatch_job_and_node_from_environment_win(tmp_path):
+    path = str(tmp_path / "model.pt")
+    with Holder(path, CKPTWATCH_JOB="mine", CKPTWATCH_NODE="pod-7", SLURM_JOB_ID="99",
+                SLURM_PROCID=5) as h:
+        (w,) = ProcScanner(node="agent-node").writers_of(path)
+    assert (w.pid, w.job, w.node, w.rank) == (h.pid, "mine", "pod-7", 5)
+
+
+def test_modes_reader_appender_and_read_write(tmp_path):
+    path = str(tmp_path / "model.pt")
+    with open(path, "wb") as f:
+        f.write(b"y" * 100)
+    scanner = ProcScanner(min_interval=0)
+    with Holder(path, "rb") as reader, Holder(path, "ab") as appender, \
+            Holder(path, "r+b") as updater:
+        holders = {p.pid: p.mode for p in scanner.holders_of(path)}
+        assert holders == {reader.pid: "r", appender.pid: "a", updater.pid: "r+"}
+        assert [p.pid for p in scanner.readers_of(path)] == [reader.pid]
+        assert sorted(p.pid for p in scanner.writers_of(path)) == \
+               sorted([appender.pid, updater.pid])
+
+
+def test_non_python_writer_found_by_full_scan_fallback(tmp_path):
+    path = str(tmp_path / "blob.bin")
+    shell = ["/bin/bash", "-c", f'exec 3>"{path}"; echo ready; read -r _']
+    with Holder(path, argv=shell, RANK=6) as h:
+        assert ProcScanner(full_scan_fallback=False).writers_of(path) == []
+        scanner = ProcScanner()
+        (w,) = scanner.writers_of(path)
+        assert (w.pid, w.mode, w.rank) == (h.pid, "w", 6)
+        assert scanner.stats()["full_scans"] == 1
+
+
+def test_explicit_candidates_and_vanished_processes_tolerated(tmp_path):
+    path = str(tmp_path / "model.pt")
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    with Holder(path, RANK=1) as h:
+        scanner = ProcScanner(full_scan_fallback=False)
+        assert [w.pid for w in scanner.writers_of(path, candidates=[gone.pid, h.pid])] == \
+               [h.pid]
+        assert scanner.writers_of(path, candidates=[psutil.Process(h.pid)])[0].rank == 1
+        assert scanner.writers_of(path, candidates=[os.getpid()]) == []
+    assert scanner.stats()["errors"] == 0
+
+
+def test_rate_limit_reuses_a_recent_scan_unless_the_path_changed_since(tmp_path):
+    path = str(tmp_path / "model.pt")
+    now = [100.0]
+    scanner = ProcScanner(min_interval=1.0, clock=lambda: now[0])
+    with Holder(path) as first:
+        assert [w.pid for w in scanner.writers_of(path)] == [first.pid]
+        with Holder(path, "ab") as second:
+            # Inside the interval: the cached result (it predates the second open).
+            assert [w.pid for w in scanner.writers_of(path)] == [first.pid]
+            assert scanner.stats()["cache_hits"] == 1
+            # The caller saw a change after that scan began: scan again.
+            now[0] += 0.1
+            got = scanner.writers_of(path, changed_after=now[0])
+            assert sorted(w.pid for w in got) == sorted([first.pid, second.pid])
+            assert scanner.stats()["scans"] == 2
+            now[0] += 1.0    # and once the interval passed, a plain call scans too
+            scanner.writers_of(path)
+            assert scanner.stats()["scans"] == 3
+
+
+def test_process_started_after_the_last_refresh_is_found(tmp_path):
+    path = str(tmp_path / "model.pt")
+    scanner = ProcScanner(refresh_interval=3600, min_refresh=0, full_scan_fallback=False)
+    with Holder(path, RANK=0) as first:
+        assert [w.rank for w in scanner.writers_of(path)] == [0]
+        assert scanner.stats()["refreshes"] == 1
+        with Holder(path, "ab", RANK=1) as second:
+            got = scanner.writers_of(path, changed_after=float("inf"))
+            assert {(w.pid, w.rank) for w in got} == {(first.pid, 0), (second.pid, 1)}
+            stats = scanner.stats()
+            assert stats["refreshes"] == 1 and stats["updates"] >= 1
+
+
+def test_fdinfo_fallback_agrees_with_psutil(tmp_path):
+    path = str(tmp_path / "model.pt")
+    with open(path, "wb") as f:
+        f.write(b"z")
+    with Holder(path, "rb") as r, Holder(path, "wb") as w, Holder(path, "ab") as a:
+        for h, mode in ((r, "r"), (w, "w"), (a, "a")):
+            assert [m for _, m in procscan._proc_fd_opens(h.pid, os.path.realpath(path))] \
+                   == [mode]
+
+
+def test_mode_from_flags():
+    assert mode_from_flags(os.O_RDONLY) == "r"
+    assert mode_from_flags(os.O_WRONLY | os.O_TRUNC | os.O_CREAT) == "w"
+    assert mode_from_flags(os.O_WRONLY | os.O_APPEND) == "a"
+    assert mode_from_flags(os.O_RDWR) == "r+"
+    assert ProcWriter(1, "r+").writing and not ProcWriter(1, "r").writing
+
+
+def test_candidate_filter():
+    assert procscan.is_candidate("python3.11", [])
+    assert procscan.is_candidate("pt_elastic", [])
+    assert procscan.is_candidate("x", ["/usr/bin/python3", "train.py"])
+    assert not procscan.is_candidate("bash", ["/bin/bash"])
+
+
+def test_module_level_helpers(tmp_path):
+    path = str(tmp_path / "model.pt")
+    with Holder(path, LOCAL_RANK=4) as h:
+        assert [(w.pid, w.local_rank) for w in procscan.writers_of(path)] == [(h.pid, 4)]
+        assert procscan.readers_of(path) == []
+    assert procscan.stats()["scans"] >= 1
+
+
+def test_own_process_excluded_by_default(tmp_path):
+    path = str(tmp_path / "model.pt")
+    with open(path, "wb"):
+        assert ProcScanner(full_scan_fallback=False).writers_of(path) == []
+        (me,) = ProcScanner(exclude_pids=(), full_scan_fallback=False).writers_of(
+            path, candidates=[os.getpid()])
+        assert me.pid == os.getpid()
+
+
+def test_closed_writer_no_longer_reported(tmp_path):
+    path = str(tmp_path / "model.pt")
+    scanner = ProcScanner(min_interval=0)
+    with Holder(path) as h:
+        assert scanner.writers_of(path)
+        h.close()
+        wait_for(lambda: scanner.writers_of(path) == [], timeout=5)
