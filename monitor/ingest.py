@@ -314,11 +314,9 @@ class IngestServer:
 
     def _deliver(self, conn: _Conn, payloads: list) -> None:
         good = []
-        for payload in payloads:
-            try:
-                event = events.decode(payload)
-            except events.EventError as exc:
-                self._reject(exc.reason)
+        for event in events.decode_many(payloads):
+            if type(event) is not dict:
+                self._reject(event.reason)
                 continue
             claimed = event["pid"]
             if claimed != conn.pid or conn.pid <= 0:

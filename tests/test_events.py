@@ -223,3 +223,24 @@ def test_golden_invalid_fixture_keeps_its_reject_reason(path):
     expected = os.path.basename(path).split("__")[0]
     assert expected in events.REJECT_REASONS
     assert reason_of(decode, open(path, "rb").read()) == expected
+
+
+def test_decode_many_matches_decode_one_by_one_whatever_is_mixed_in():
+    from monitor.events import decode_many
+    good = [payload(encode(start(seq=i))) for i in range(5)]
+    nasty = [b"", b" ", b"1,2", b"{}", b'{"v":2}', b"\xff\xfe", b"[", b"]", b"null",
+             b'{"a":1},{"b":2}', payload(encode(start(pid=0)))]
+    for bad in nasty:
+        for position in (0, 2, 5):
+            mixed = good[:position] + [bad] + good[position:]
+            got = decode_many(mixed)
+            assert len(got) == len(mixed)
+            for item, raw in zip(got, mixed):
+                try:
+                    expected = decode(raw)
+                except EventError as exc:
+                    assert isinstance(item, EventError) and item.reason == exc.reason, (bad, raw)
+                else:
+                    assert item == expected, (bad, raw)
+    assert decode_many(good) == [decode(p) for p in good]
+    assert decode_many([]) == []
