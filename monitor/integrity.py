@@ -30,6 +30,7 @@ import json
 import os
 import pickletools
 import re
+import stat
 import struct
 import time
 import zlib
@@ -71,6 +72,7 @@ SAFETENSORS_DTYPE_SIZE = {
 }
 
 LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
+_LEGACY_MAGIC_BYTES = LEGACY_MAGIC.to_bytes(10, "little")
 LFS_PREFIX = b"version https://git-lfs.github.com/spec/v1"
 
 _EOCD = struct.Struct("<4sHHHHIIH")                    # end of central directory, 22 bytes
@@ -111,6 +113,9 @@ def verify(path: str, deep: bool = False, max_bytes_per_second: float | None = N
     agent does not starve the training job's own I/O.
     """
     try:
+        # Opening a FIFO or a device would block or read forever: regular files only.
+        if not stat.S_ISREG(os.stat(path).st_mode):
+            return Verdict(UNVERIFIABLE, FMT_UNKNOWN, "not a regular file")
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
             return _verify_open(f, size, path, deep, _Throttle(max_bytes_per_second))
@@ -141,8 +146,9 @@ def _verify_open(f, size: int, path: str, deep: bool, throttle: "_Throttle") -> 
 def _sniff(f, head: bytes, size: int) -> str:
     if head.startswith((b"PK\x03\x04", b"PK\x05\x06")):
         return FMT_TORCH_ZIP
+    # A legacy file opens with pickle.dumps(LEGACY_MAGIC); a cut one with a prefix of it.
     if head.startswith(b"\x80") and head[2:4] == b"\x8a\x0a" and \
-            int.from_bytes(head[4:14], "little") == LEGACY_MAGIC:
+            _LEGACY_MAGIC_BYTES.startswith(head[4:14]):
         return FMT_TORCH_LEGACY
     if len(head) >= 9 and head[8:9] == b"{" and \
             struct.unpack_from("<Q", head)[0] <= MAX_SAFETENSORS_HEADER:
@@ -600,7 +606,7 @@ def _verify_legacy(f, size, path, deep, throttle) -> Verdict:
         start = f.tell()
         if start >= size:
             raise _Corrupt(f"truncated: the file ends before pickle {i + 1} of 5")
-        data = _read_pickle(f, i)
+        data = _read_pickle(f, size, i)
         if i == 3:
             storages = _persistent_storages(data, "the pickled object")
         elif i == 4:
@@ -629,14 +635,31 @@ def _verify_legacy(f, size, path, deep, throttle) -> Verdict:
         "note": "legacy format has no checksums: sizes and layout checked only"})
 
 
-def _read_pickle(f, index: int) -> bytes:
+class _Bounded:
+    """A file seen only up to `size`: pickletools reads length-prefixed strings with one
+    read(n), and a damaged length must not allocate gigabytes."""
+
+    def __init__(self, f, size: int):
+        self.f, self.size = f, size
+
+    def read(self, n: int = -1) -> bytes:
+        left = max(0, self.size - self.f.tell())
+        return self.f.read(left if n is None or n < 0 else min(n, left))
+
+    def readline(self) -> bytes:
+        return self.f.readline(max(0, self.size - self.f.tell()))
+
+    def tell(self) -> int:
+        return self.f.tell()
+
+
+def _read_pickle(f, size: int, index: int) -> bytes:
     start = f.tell()
     try:
-        for _ in pickletools.genops(f):
+        for _ in pickletools.genops(_Bounded(f, size)):
             pass
     except (ValueError, struct.error) as e:
-        msg = str(e)
-        if "not enough data" in msg or "truncated" in msg or "ran out" in msg.lower():
+        if f.tell() >= size:      # the parse ran into the end of the file
             raise _Corrupt(f"truncated: pickle {index + 1} of 5 is cut short") from None
         raise _Corrupt(f"pickle {index + 1} of 5 is not a valid pickle ({e})") from None
     end = f.tell()

@@ -268,3 +268,15 @@ class ProgressBar:
             self.stream.write("\r\033[K")
             self.stream.flush()
             self.shown = False
+
+
+def main(argv=None) -> int:
+    """`python -m monitor.scan ...`: the same command without the ckptwatch entry point."""
+    import argparse
+    parser = argparse.ArgumentParser(prog="ckptwatch scan")
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
