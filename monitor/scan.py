@@ -242,8 +242,8 @@ class ProgressBar:
     """One self-erasing line on a terminal: files and bytes done. Drawn at most 10 times a
     second, and only once a scan has run for half a second (short scans stay quiet)."""
 
-    def __init__(self, stream, clock=time.monotonic, delay: float = 0.5):
-        self.stream, self.clock = stream, clock
+    def __init__(self, stream, clock=None, delay: float = 0.5):
+        self.stream, self.clock = stream, clock or time.monotonic
         self.start = clock()
         self.delay = delay
         self.last = 0.0
