@@ -244,7 +244,7 @@ class ProgressBar:
 
     def __init__(self, stream, clock=None, delay: float = 0.5):
         self.stream, self.clock = stream, clock or time.monotonic
-        self.start = clock()
+        self.start = self.clock()
         self.delay = delay
         self.last = 0.0
         self.shown = False
