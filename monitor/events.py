@@ -209,20 +209,15 @@ def decode_many(payloads: list) -> list:
         except ValueError:
             values = None
         if values is not None and len(values) == len(payloads):
-            out = []
-            for value in values:
-                try:
-                    out.append(validate(value))
-                except EventError as exc:
-                    out.append(exc)
-            return out
-    out = []
-    for payload in payloads:
-        try:
-            out.append(decode(payload))
-        except EventError as exc:
-            out.append(exc)
-    return out
+            return [_attempt(validate, value) for value in values]
+    return [_attempt(decode, payload) for payload in payloads]
+
+
+def _attempt(check, item):
+    try:
+        return check(item)
+    except EventError as exc:
+        return exc
 
 
 class FrameReader:
