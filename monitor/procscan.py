@@ -8,8 +8,8 @@ environment, the same variables the in-process hook reads (monitor.identity).
 Cost bounds (an agent may serve a node with thousands of processes):
 - only *candidate* processes are scanned: Python interpreters and known launchers
   (is_candidate). Each process is classified once: before a scan, only pids that appeared
-  since the last update (at most every `min_refresh` seconds) have their name read, so a
-  job started a moment ago is found; the whole list is re-checked every `refresh_interval`
+  since the last update have their name read (before every scan for a change, otherwise at
+  most every `min_refresh` seconds), so a job started a moment ago is found; the whole list is re-checked every `refresh_interval`
   seconds (reused pids). When no candidate holds the path and `full_scan_fallback` is on,
   every other process is scanned once (counted as a full scan): that is how a C++ or shell
   writer is still attributed;
@@ -182,7 +182,8 @@ class ProcScanner:
             started = time.perf_counter()
             try:
                 # open_files() reports resolved paths (the fd's /proc link).
-                found = self._scan(os.path.realpath(path), candidates, now)
+                found = self._scan(os.path.realpath(path), candidates, now,
+                                   changed_after is not None)
             finally:
                 elapsed = time.perf_counter() - started
                 self._stats["scans"] += 1
@@ -215,13 +216,14 @@ class ProcScanner:
 
     # ------------------------------------------------------------------ scanning
 
-    def _scan(self, path: str, candidates, now: float) -> list[ProcWriter]:
+    def _scan(self, path: str, candidates, now: float, changed: bool) -> list[ProcWriter]:
         if candidates is not None:
             procs = [c if isinstance(c, psutil.Process) else _process(c) for c in candidates]
             return self._scan_procs(path, [p for p in procs if p is not None])
         if now - self._full_at >= self._refresh_interval:
             self._update_candidates(now, full=True)
-        elif now - self._update_at >= self._min_refresh:
+        elif changed or now - self._update_at >= self._min_refresh:
+            # A change we have not scanned for may come from a process started a moment ago.
             self._update_candidates(now, full=False)
         found = self._scan_procs(path, [p for p in self._known.values() if p is not None])
         if found or not self._full_scan_fallback:
