@@ -1,0 +1,140 @@
+"""How fast is checkpoint verification, next to what a user would otherwise do?
+
+Side by side, in one run, on the same file:
+  1. structural verify (monitor.integrity.verify) vs torch.load of the checkpoint
+     (target: structural >= 100x faster);
+  2. deep verify (CRC32 of every record) vs a plain sequential read of the file in 1 MiB
+     chunks (target: deep throughput >= 50% of the plain read's).
+
+Each pair is measured twice: with the file in the page cache (warm: CPU cost only, the
+agent's case right after a save) and with this file's pages dropped before every run
+(cold: posix_fadvise DONTNEED on this one file, the case of `scan` over old checkpoints).
+
+    /opt/ckptwatch-venv/bin/python bench/scan_speed.py [--size-mib 320] [--file PATH]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import zlib
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from monitor.integrity import CHUNK, OK, verify  # noqa: E402
+
+
+def make_checkpoint(path: str, size_mib: int) -> None:
+    """A model-like state dict: a few big matrices, many small vectors, an optimizer state."""
+    import torch
+    g = torch.Generator().manual_seed(0)
+    state, total, i = {}, 0, 0
+    target = size_mib << 20
+    while total < target * 0.9:
+        rows = 1024 if i % 4 else 4096
+        w = torch.randn(rows, 1024, generator=g)
+        state[f"layers.{i}.weight"] = w
+        state[f"layers.{i}.bias"] = torch.randn(rows, generator=g)
+        state[f"layers.{i}.norm"] = torch.ones(1024, dtype=torch.bfloat16)
+        total += w.numel() * 4
+        i += 1
+    state["embed"] = torch.randn(int((target - total) / 4 / 1024) + 1, 1024, generator=g)
+    torch.save({"model": state, "step": 1000, "rng": torch.get_rng_state()}, path)
+
+
+def timed(fn, repeat: int) -> float:
+    """Median wall time of fn() over repeat runs."""
+    times = []
+    for _ in range(repeat):
+        started = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def plain_read(path: str) -> int:
+    buf = bytearray(CHUNK)
+    n = 0
+    with open(path, "rb", buffering=0) as f:
+        while True:
+            got = f.readinto(buf)
+            if not got:
+                return n
+            n += got
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--size-mib", type=int, default=320, help="checkpoint size to generate")
+    p.add_argument("--file", help="measure this checkpoint instead of generating one")
+    p.add_argument("--repeat", type=int, default=5)
+    args = p.parse_args(argv)
+
+    import torch
+    tmp = None
+    path = args.file
+    if not path:
+        tmp = tempfile.mkdtemp(prefix="cwscan")
+        path = os.path.join(tmp, "bench.pt")
+        make_checkpoint(path, args.size_mib)
+    try:
+        size = os.path.getsize(path)
+        print("command: " + " ".join([os.path.basename(sys.executable), *sys.argv]))
+        print(f"file: {path} ({size / 2**20:.0f} MiB), torch {torch.__version__}, "
+              f"{os.cpu_count()} CPUs")
+        plain_read(path)                                  # warm the cache
+        v = verify(path, deep=True)
+        if v.status != OK:
+            print(f"the checkpoint does not verify: {v}")
+            return 1
+        print(f"records: {v.details['entries']}, storages: {v.details['storages']}")
+
+        mib = size / 2**20
+        fd = os.open(path, os.O_RDONLY)
+        os.fsync(fd)                       # dirty pages cannot be dropped
+
+        def cold(fn):
+            def run():
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                fn()
+            return run
+
+        rows = {}
+        for cache, wrap in (("warm", lambda fn: fn), ("cold", cold)):
+            plain_read(path)
+            rows[cache] = (
+                timed(wrap(lambda: verify(path)), args.repeat * (20 if cache == "warm" else 2)),
+                timed(wrap(lambda: torch.load(path)), max(2, args.repeat // 2)),
+                timed(wrap(lambda: plain_read(path)), args.repeat),
+                timed(wrap(lambda: verify(path, deep=True)), args.repeat))
+        os.close(fd)
+
+        print()
+        print(f"{'seconds (MiB/s)':30}{'warm cache':>22}{'cold cache':>22}")
+        names = ("structural verify", "torch.load", "plain read, 1 MiB chunks",
+                 "deep verify (CRC32)")
+        for i, name in enumerate(names):
+            cells = "".join(f"{rows[c][i]:12.4f} ({mib / rows[c][i]:6.0f})" for c in rows)
+            print(f"{name:30}{cells}")
+        block = os.urandom(1 << 20) * 64
+        t_crc = timed(lambda: zlib.crc32(block), args.repeat)
+        print(f"{'zlib.crc32 in memory (ceiling)':30}{t_crc * size / len(block):12.4f} "
+              f"({mib / (t_crc * size / len(block)):6.0f})   zlib {zlib.ZLIB_RUNTIME_VERSION}")
+        for c, (t_struct, t_load, t_read, t_deep) in rows.items():
+            print(f"{c}: structural verify is {t_load / t_struct:,.0f}x faster than torch.load "
+                  f"(target >= 100x); deep verify runs at {100 * t_read / t_deep:.0f}% of the "
+                  "plain read's throughput (target >= 50%)")
+    finally:
+        if tmp:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
