@@ -209,3 +209,49 @@ def test_unusable_journal_path_exits_1(workdir):
         assert not os.path.exists(agent.socket)
     finally:
         agent.close()
+
+
+TRAINER = r"""
+import os, sys
+import torch
+import monitor
+monitor.install()
+out = sys.argv[1]
+for line in sys.stdin:                      # one save per line from the test
+    torch.save({"step": int(line)}, os.path.join(out, f"step{int(line)}.pt"))
+    print("saved", flush=True)
+"""
+
+
+def test_instrumented_process_keeps_reporting_across_an_agent_restart(workdir, sockdir):
+    """The real hook in a real Python process, the real agent stopped and started again on the
+    same socket: the process never notices, and the new agent gets its later saves."""
+    pytest.importorskip("torch")
+    from helpers import subprocess_env
+    sock = os.path.join(sockdir, "agent.sock")
+    env = subprocess_env(CKPTWATCH_SOCKET=sock, CKPTWATCH_JOB="restart", RANK="0")
+    trainer = subprocess.Popen([sys.executable, "-c", TRAINER, workdir], env=env, text=True,
+                               stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        def save(step):
+            trainer.stdin.write(f"{step}\n")
+            trainer.stdin.flush()
+            assert trainer.stdout.readline() == "saved\n"
+
+        first_dir, second_dir = os.path.join(workdir, "a1"), os.path.join(workdir, "a2")
+        os.makedirs(first_dir), os.makedirs(second_dir)
+        with start_agent(first_dir, *FAST, socket=sock) as agent:
+            save(1)
+            wait_for(lambda: agent.metric("ckptwatch_writes_total", job="restart", rank="0"),
+                     message="first agent saw step 1")
+            assert agent.stop() == 0
+        save(2)                                      # no agent at all: the save still works
+        with start_agent(second_dir, *FAST, socket=sock) as agent:
+            save(3)
+            wait_for(lambda: {r["path"] for r in agent.journal_records()
+                              if r.get("type") == "write"} >= {os.path.join(workdir, "step3.pt")},
+                     timeout=15, message="second agent saw step 3")
+    finally:
+        trainer.stdin.close()
+        assert trainer.wait(timeout=30) == 0
+    assert all(os.path.exists(os.path.join(workdir, f"step{i}.pt")) for i in (1, 2, 3))
