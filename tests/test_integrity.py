@@ -434,3 +434,12 @@ def test_demo_job_race(tmp_path):
     if consistency(state) is None:
         pytest.skip("this run's race left one rank's whole save (nothing torn to find)")
     assert verify(path, deep=True).status == CORRUPT
+
+
+def test_plain_zip_is_not_a_torch_checkpoint(tmp_path):
+    path = str(tmp_path / "weights.bin")
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr("model/readme.txt", b"hello")
+    v = verify(path)
+    assert (v.status, v.format) == (UNVERIFIABLE, "torch-zip")
+    assert "not a torch checkpoint" in v.reason
