@@ -50,6 +50,8 @@ log = logging.getLogger("ckptwatch.fswatch")
 
 DEFAULT_PATTERNS = ("*.pt", "*.pth", "*.bin", "*.ckpt", "*.safetensors", "*.distcp")
 MODES = ("auto", "inotify", "polling")
+# Paths named by hook events that count as checkpoints whatever their names (bounded).
+MAX_NAMED = 10000
 SOURCE_FS = "fs"
 
 # FsEvent kinds.
@@ -120,12 +122,24 @@ class FsEventHandler(FileSystemEventHandler):
         super().__init__()
         self._sink = sink
         self._patterns = tuple(patterns)
+        self._named: set[str] = set()    # exact paths that count whatever their name
         self._roots = frozenset(os.path.abspath(r) for r in roots)
         self._on_root_deleted = on_root_deleted
         self._clock = clock
         self._wall_clock = wall_clock
 
+    def add_path(self, path: str) -> bool:
+        """Count `path` as a checkpoint whatever its name; False once MAX_NAMED are held."""
+        if path in self._named:
+            return True
+        if len(self._named) >= MAX_NAMED:
+            return False
+        self._named.add(path)
+        return True
+
     def matches(self, path: str) -> bool:
+        if path in self._named:
+            return True
         name = os.path.basename(path)
         return any(fnmatch.fnmatchcase(name, p) for p in self._patterns)
 
@@ -255,7 +269,9 @@ class Watcher:
         self.mode = mode
         self.poll_interval = float(poll_interval)
         self.rearm_interval = float(rearm_interval)
-        self._roots = {p: _Root(p) for p in dict.fromkeys(os.path.abspath(r) for r in roots)}
+        # Real paths: procscan reports open files by their resolved paths, and inotify would
+        # watch a symlinked root's link, not the directory.
+        self._roots = {p: _Root(p) for p in dict.fromkeys(os.path.realpath(r) for r in roots)}
         self._on_event = on_event or (lambda ev: None)
         self._on_rescan = on_rescan or (lambda root: None)
         self._clock = clock
@@ -304,6 +320,15 @@ class Watcher:
             if observer is not None:
                 observer.stop()
                 observer.join()
+
+    def matches(self, path: str) -> bool:
+        """Whether `path` counts as a checkpoint (patterns, or named by add_path)."""
+        return self._handler.matches(path)
+
+    def add_path(self, path: str) -> bool:
+        """Watch `path` as a checkpoint although no pattern matches it (the agent calls this
+        for each path a hook event names). Thread-safe; False when the bound is reached."""
+        return self._handler.add_path(os.path.abspath(path))
 
     def stats(self) -> dict:
         """Counters plus per-root health: {"roots": {root: {"mode", "state", "fallback",
@@ -642,6 +667,11 @@ class WriteTracker:
         state = self._paths.get(path)
         return set(state.writers) | set(state.readers) if state else set()
 
+    def paths_under(self, root: str) -> list[str]:
+        """Paths below `root` with a tracked writer or reader."""
+        prefix = root.rstrip(os.sep) + os.sep
+        return [p for p in self._paths if p.startswith(prefix)]
+
     def writing(self, path: str) -> list[int]:
         """Pids currently tracked as writing `path`."""
         state = self._paths.get(path)
@@ -812,3 +842,18 @@ def attribute(ev: FsEvent, tracker: WriteTracker, scanner,
         # end event carries this size (the event's own stat may predate its last writes).
         ev = replace(ev, size=_size(ev.target))
     return tracker.observe(ev, holders)
+
+
+def rescan(root: str, tracker: WriteTracker, scanner, matches: Callable[[str], bool],
+           clock: Callable[[], float] = time.monotonic,
+           wall_clock: Callable[[], float] = time.time) -> list[dict]:
+    """Re-attribute everything below `root` after events may have been lost (Watcher's
+    on_rescan): one pass over the candidate processes' open files, then every path that is
+    held open now or was tracked is reconciled, as if it had just been modified: writers the
+    tracker missed start, writers whose close was lost end."""
+    held = scanner.holders_under(root, matches)
+    out: list[dict] = []
+    for path in sorted(set(held) | set(tracker.paths_under(root))):
+        ev = FsEvent(MODIFIED, path, _size(path), clock(), wall_clock())
+        out.extend(tracker.observe(ev, held.get(path, [])))
+    return out

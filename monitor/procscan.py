@@ -208,6 +208,45 @@ class ProcScanner:
         writing = {p.pid for p in holders if p.writing}
         return _per_pid([p for p in holders if not p.writing and p.pid not in writing])
 
+    def holders_under(self, root: str, match: Callable[[str], bool] | None = None
+                      ) -> dict[str, list[ProcWriter]]:
+        """Every open file below directory `root` held by a candidate process, by path.
+
+        One pass over the candidates (no full-scan fallback): what a rescan after lost
+        events needs, instead of one scan per file. `match(path)` filters the paths.
+        """
+        prefix = os.path.realpath(root).rstrip(os.sep) + os.sep
+        found: dict[str, list[ProcWriter]] = {}
+        with self._lock:
+            started = time.perf_counter()
+            try:
+                self._update_candidates(self._clock(), full=False)
+                for proc in [p for p in self._known.values() if p is not None]:
+                    try:
+                        opens = [(f.path, f.fd, f.mode) for f in proc.open_files()
+                                 if f.path.startswith(prefix) and (match is None
+                                                                   or match(f.path))]
+                        if not opens:
+                            continue
+                        ident = self._identity(proc)
+                    except psutil.NoSuchProcess:
+                        self._stats["vanished"] += 1
+                        continue
+                    except psutil.AccessDenied:
+                        self._stats["denied"] += 1
+                        continue
+                    except Exception:
+                        self._stats["errors"] += 1
+                        continue
+                    for path, fd, mode in opens:
+                        found.setdefault(path, []).append(_holder(proc.pid, mode, fd, ident))
+            finally:
+                elapsed = time.perf_counter() - started
+                self._stats["scans"] += 1
+                self._stats["last_seconds"] = elapsed
+                self._stats["total_seconds"] += elapsed
+        return found
+
     def stats(self) -> dict:
         """scans, last_seconds, total_seconds, errors, plus denied, vanished, cache_hits,
         full_scans, candidates, refreshes (full), updates (incremental)."""
@@ -288,13 +327,7 @@ class ProcScanner:
                     continue
                 ident = self._identity(proc)
                 for fd, mode in opens:
-                    found.append(ProcWriter(
-                        pid=proc.pid, mode=mode, rank=ident["rank"],
-                        local_rank=ident["local_rank"], world_size=ident["world_size"],
-                        job=ident["job"], node_rank=ident["node_rank"],
-                        cmdline=ident["cmdline"], local_world_size=ident["local_world_size"],
-                        master=ident["master"], restart=ident["restart"],
-                        node=ident["node"], fd=fd))
+                    found.append(_holder(proc.pid, mode, fd, ident))
             except psutil.NoSuchProcess:
                 self._stats["vanished"] += 1
             except psutil.AccessDenied:
@@ -338,6 +371,14 @@ class ProcScanner:
             self._env_cache.clear()
         self._env_cache[key] = ident
         return ident
+
+
+def _holder(pid: int, mode: str, fd: int | None, ident: dict) -> ProcWriter:
+    return ProcWriter(pid=pid, mode=mode, rank=ident["rank"], local_rank=ident["local_rank"],
+                      world_size=ident["world_size"], job=ident["job"],
+                      node_rank=ident["node_rank"], cmdline=ident["cmdline"],
+                      local_world_size=ident["local_world_size"], master=ident["master"],
+                      restart=ident["restart"], node=ident["node"], fd=fd)
 
 
 def _process(pid: int) -> psutil.Process | None:

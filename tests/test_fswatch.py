@@ -89,6 +89,16 @@ def test_finished_write_seen_with_its_size(tmp_path, watch, mode):
     assert w.health()["ok"]
 
 
+def test_a_path_named_by_a_hook_event_counts_whatever_its_name(tmp_path, watch):
+    w, rec = watch("inotify")
+    named, other = str(tmp_path / "weights.out"), str(tmp_path / "other.out")
+    assert w.add_path(named)
+    write(other)
+    write(named)
+    rec.wait("closed_write", named)
+    assert rec.kinds(other) == []
+
+
 def test_polling_reports_close_only_once_size_is_stable(tmp_path, watch):
     w, rec = watch("polling", poll_interval=0.2, rearm_interval=0.2)
     path = str(tmp_path / "slow.pt")
@@ -513,3 +523,25 @@ def test_attribute_looks_again_when_an_open_shows_nobody_new():
     assert fswatch.attribute(_ev("modified", "/c/a.pt", 9, 2), t, scanner, sleep=slept.append) \
         == []
     assert scanner.calls == [None] and len(slept) == 1
+
+
+def test_rescan_reconciles_writers_missed_and_closes_lost(tmp_path):
+    """After an overflow: a writer whose open was never seen starts, a tracked writer whose
+    close was lost ends; one pass over the processes for the whole root."""
+    tracker = WriteTracker(node="n1")
+    scanner = ProcScanner(node="n1", min_interval=0)
+    missed, gone = str(tmp_path / "sub" / "missed.pt"), str(tmp_path / "gone.pt")
+    os.makedirs(tmp_path / "sub")
+    tracker.observe(_ev("opened", gone, 0), [_proc(999_999_999, rank=5)])   # no such process
+    holder = _spawn(WRITER, missed, 10, RANK=2)
+    try:
+        _expect(holder, "ready")
+        write(str(tmp_path / "notes.txt"))
+        out = fswatch.rescan(str(tmp_path), tracker, scanner,
+                             Watcher([str(tmp_path)]).matches)
+        assert sorted((e["type"], e["pid"], e["rank"], e["path"]) for e in out) == sorted(
+            [("start", holder.pid, 2, missed), ("end", 999_999_999, 5, gone)])
+        assert tracker.writing(missed) == [holder.pid]
+        assert scanner.stats()["full_scans"] == 0
+    finally:
+        _reap(holder)
