@@ -144,6 +144,12 @@ class FsEventHandler(FileSystemEventHandler):
         return any(fnmatch.fnmatchcase(name, p) for p in self._patterns)
 
     def dispatch(self, event) -> None:
+        try:
+            self._dispatch(event)
+        except Exception:   # an exception here would end watchdog's dispatcher thread
+            log.exception("cannot translate %r", event)
+
+    def _dispatch(self, event) -> None:
         src = os.fsdecode(event.src_path)
         if event.is_directory:
             if event.event_type == "deleted" and src in self._roots and self._on_root_deleted:
@@ -303,10 +309,15 @@ class Watcher:
         if self._started:
             return
         self._started = True
-        for root in self._roots.values():
-            self._arm(root)
-        self._thread = threading.Thread(target=self._run, name="ckptwatch-fswatch", daemon=True)
-        self._thread.start()
+        try:
+            for root in self._roots.values():
+                self._arm(root)
+            self._thread = threading.Thread(target=self._run, name="ckptwatch-fswatch",
+                                            daemon=True)
+            self._thread.start()
+        except BaseException:
+            self.stop()   # no observer thread outlives a failed start
+            raise
 
     def stop(self) -> None:
         """Stop every thread this watcher started (idempotent)."""
