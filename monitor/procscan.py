@@ -10,9 +10,9 @@ Cost bounds (an agent may serve a node with thousands of processes):
   (is_candidate). Each process is classified once: before a scan, only pids that appeared
   since the last update have their name read (before every scan for a change, otherwise at
   most every `min_refresh` seconds), so a job started a moment ago is found; the whole
-  list is re-checked every `refresh_interval` seconds (reused pids). When no candidate holds the path and `full_scan_fallback` is on,
-  every other process is scanned once (counted as a full scan): that is how a C++ or shell
-  writer is still attributed;
+  list is re-checked every `refresh_interval` seconds (reused pids). When no candidate
+  holds the path and `full_scan_fallback` is on, every other process is scanned once
+  (counted as a full scan): that is how a C++ or shell writer is still attributed;
 - per path, a result younger than `min_interval` is reused, unless the caller says the path
   changed (was opened or closed) after that scan began (`changed_after`): a change we have
   not scanned for yet always gets a fresh scan;
