@@ -129,7 +129,7 @@ def verify(path: str, deep: bool = False, max_bytes_per_second: float | None = N
 
 def _verify_open(f, size: int, path: str, deep: bool, throttle: "_Throttle") -> Verdict:
     if size == 0:
-        return Verdict(CORRUPT, FMT_EMPTY, "empty file (0 bytes)")
+        return Verdict(CORRUPT, FMT_EMPTY, "empty file (0 bytes)", {"cause": "empty"})
     head = _pread(f, 0, min(size, 4096))
     fmt = _sniff(f, head, size)
     checker = {FMT_TORCH_ZIP: _verify_torch_zip, FMT_SAFETENSORS: _verify_safetensors,
@@ -139,9 +139,27 @@ def _verify_open(f, size: int, path: str, deep: bool, throttle: "_Throttle") -> 
     try:
         return checker(f, size, path, deep, throttle)
     except _Corrupt as e:
-        return Verdict(CORRUPT, fmt, str(e))
+        return Verdict(CORRUPT, fmt, str(e), {"cause": corrupt_cause(str(e))})
     except _Unverifiable as e:
         return Verdict(UNVERIFIABLE, fmt, str(e))
+
+
+CAUSES = ("empty", "truncated", "torn", "crc_mismatch", "inconsistent")
+
+
+def corrupt_cause(reason: str) -> str:
+    """A bounded category for a corrupt verdict's reason (one of CAUSES), fit for a metric
+    label such as ckptwatch_corrupt_checkpoints_total{reason}; the reason itself is free
+    text."""
+    if reason.startswith("empty file"):
+        return "empty"
+    if reason.startswith("truncated"):
+        return "truncated"
+    if reason.startswith("CRC32 mismatch"):
+        return "crc_mismatch"
+    if "torn" in reason or "overwritten" in reason or "overlap" in reason:
+        return "torn"
+    return "inconsistent"
 
 
 def _sniff(f, head: bytes, size: int) -> str:

@@ -107,6 +107,10 @@ def test_real_races_are_flagged(races):
     assert not missed_structural, "torch.load rejects these, structural check passed them"
     missed_deep = [p for p in torn if verify(p, deep=True).status != CORRUPT]
     assert not missed_deep, "torn (not one rank's save), but --deep passed them"
+    # Their metric label: a bounded cause, and for races mostly "torn".
+    causes = [verify(p, deep=True).details["cause"] for p in torn]
+    assert set(causes) <= set(integrity.CAUSES)
+    assert causes.count("torn") + causes.count("crc_mismatch") >= len(torn) // 2, causes
     # The rank references saved alone are clean.
     for rank in range(4):
         assert verify(os.path.join(directory, f"ref-rank{rank}.pt"), deep=True).status == OK
@@ -128,6 +132,7 @@ def test_flipped_byte_in_tensor_passes_structure_fails_deep(clean, tmp_path):
     v = verify(path, deep=True)
     assert v.status == CORRUPT
     assert "CRC32 mismatch in 1 of" in v.reason and "/data/" in v.reason
+    assert v.details["cause"] == "crc_mismatch"
 
 
 @pytest.mark.parametrize("name", ["big_tensor", "many_small_tensors", "legacy_format",
@@ -139,6 +144,7 @@ def test_truncated_files_are_corrupt_truncated(clean, tmp_path, name):
         v = verify(path)
         assert v.status == CORRUPT, (path, v)
         assert "truncated" in v.reason, (path, v)
+        assert v.details["cause"] == "truncated"
 
 
 def test_empty_lfs_html_are_what_they_are(tmp_path):
