@@ -17,6 +17,7 @@ ckptwatch: catch concurrent torch.save writes to one checkpoint path, and say wh
   ckptwatch agent [flags]             the per-node agent (same as `python agent.py`)
   ckptwatch run -- torchrun ...       run a job with every torch.save instrumented
   ckptwatch report [--journal PATH]   who wrote what, when, and the fix
+  ckptwatch scan PATH... [--deep]     find corrupt checkpoints on disk (exit 1 if any)
 """
 
 
@@ -52,6 +53,11 @@ def build_parser() -> argparse.ArgumentParser:
     from monitor import report as report_mod
     report_mod.add_arguments(report)
 
+    scan = sub.add_parser("scan", help="verify checkpoint files on disk: ok, corrupt or "
+                          "unverifiable, with the reason (exit 1 if any is corrupt)")
+    from monitor import scan as scan_mod
+    scan_mod.add_arguments(scan)
+
     demo = sub.add_parser("demo", help="start a private agent, run a colliding 4-rank CPU job "
                           "and its fixed version, print what ckptwatch saw")
     demo.add_argument("--nproc", type=int, default=4, help="ranks in the demo job (default 4)")
@@ -76,6 +82,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "report":
         from monitor import report
         return report.run(args)
+    if args.command == "scan":
+        from monitor import scan
+        return scan.run(args)
     if args.command == "demo":
         from monitor import demo
         return demo.run(nproc=args.nproc, keep=args.keep)
