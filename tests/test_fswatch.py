@@ -433,10 +433,11 @@ def _reap(*procs):
                 stream.close()
 
 
-@pytest.fixture
-def pipeline_watch(tmp_path, no_thread_leak):
+@pytest.fixture(params=MODES)
+def pipeline_watch(request, tmp_path, no_thread_leak):
     pipe = Pipeline()
-    w = Watcher([str(tmp_path)], mode="inotify", on_event=pipe, rearm_interval=POLL)
+    w = Watcher([str(tmp_path)], mode=request.param, on_event=pipe, rearm_interval=POLL,
+                poll_interval=POLL)
     w.start()
     yield pipe
     w.stop()
