@@ -22,7 +22,7 @@ import ipaddress
 import logging
 import socket
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Callable, Mapping
 from urllib.parse import urlsplit
@@ -33,7 +33,9 @@ from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
 from prometheus_client.exposition import choose_encoder
 
 from monitor.events import REJECT_REASONS
+from monitor.integrity import CAUSES as CORRUPT_CAUSES
 from monitor.model import Collision, Write
+from monitor.verifier import RESULTS as VERIFY_RESULTS
 from monitor.version import __version__
 
 log = logging.getLogger(__name__)
@@ -71,6 +73,8 @@ class MetricsSnapshot:
     tracked_paths_evicted: int
     journal_errors: int
     ingest_connections: int
+    verifications: Mapping[str, int] = field(default_factory=dict)  # result -> files verified
+    corrupt: Mapping[str, int] = field(default_factory=dict)        # cause -> corrupt files
 
 
 def _format_bound(bound: float) -> str:
@@ -106,6 +110,9 @@ class MetricsState:
         self._evicted_total = 0
         self._journal_errors = 0
         self._ingest_connections = 0
+        # Bounded label sets, present from the start (see _rejected above).
+        self._verifications: dict[str, int] = {r: 0 for r in VERIFY_RESULTS}
+        self._corrupt: dict[str, int] = {c: 0 for c in CORRUPT_CAUSES}
 
     # -- updates -------------------------------------------------------------------------
 
@@ -163,6 +170,14 @@ class MetricsState:
         with self._lock:
             self._journal_errors += n
 
+    def verification(self, result: str, cause: str = "") -> None:
+        """One finished checkpoint verified: result ok|corrupt|unverifiable|gone; cause is
+        the bounded corruption category (monitor.integrity.CAUSES) for corrupt files."""
+        with self._lock:
+            self._verifications[result] = self._verifications.get(result, 0) + 1
+            if cause:
+                self._corrupt[cause] = self._corrupt.get(cause, 0) + 1
+
     def set_ingest_connections(self, n: int) -> None:
         with self._lock:
             self._ingest_connections = int(n)
@@ -195,6 +210,8 @@ class MetricsState:
                 tracked_paths_evicted=self._evicted_total,
                 journal_errors=self._journal_errors,
                 ingest_connections=self._ingest_connections,
+                verifications=MappingProxyType(dict(self._verifications)),
+                corrupt=MappingProxyType(dict(self._corrupt)),
             )
 
 
@@ -291,6 +308,22 @@ class CkptwatchCollector:
         yield GaugeMetricFamily("ckptwatch_ingest_connections",
                                 "Instrumented processes connected to the ingest socket.",
                                 value=s.ingest_connections)
+
+        verified = CounterMetricFamily("ckptwatch_checkpoint_verifications",
+                                       "Finished checkpoints verified, by result (ok, corrupt, "
+                                       "unverifiable, gone: renamed or deleted first).",
+                                       labels=["result"])
+        for result, n in sorted(s.verifications.items()):
+            verified.add_metric([result], n)
+        yield verified
+
+        corrupt = CounterMetricFamily("ckptwatch_corrupt_checkpoints",
+                                      "Finished checkpoints that failed verification, by "
+                                      "reason (empty, truncated, torn, crc_mismatch, "
+                                      "inconsistent).", labels=["reason"])
+        for cause, n in sorted(s.corrupt.items()):
+            corrupt.add_metric([cause], n)
+        yield corrupt
 
 
 def build_registry(state: MetricsState) -> CollectorRegistry:

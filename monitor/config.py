@@ -57,6 +57,10 @@ class Config:
     collision_max_paths: int = 10000
     log_level: str = "info"
     log_format: str = "logfmt"
+    verify_enabled: bool = True
+    verify_quiet: float = 2.0
+    verify_deep_max_bytes: int = 256 * 1024 * 1024
+    verify_max_rate: float = 200e6            # bytes/s for deep checks; 0 = no cap
 
 
 # --- value converters: take a flag string or a config-file value, return the typed value or
@@ -151,6 +155,16 @@ def _number(kind: type, minimum: float, strict: bool = False) -> Callable[[Any],
     return convert
 
 
+def _bool(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in ("true", "yes", "on", "1"):
+        return True
+    if isinstance(value, str) and value.strip().lower() in ("false", "no", "off", "0"):
+        return False
+    raise ValueError(f"expected true or false, got {value!r}")
+
+
 def _choice(choices: tuple[str, ...]) -> Callable[[Any], str]:
     def convert(value: Any) -> str:
         if not isinstance(value, str) or value.lower() not in choices:
@@ -199,6 +213,15 @@ OPTIONS = (
            f"log level: {', '.join(LOG_LEVELS)}"),
     Option("log.format", "log_format", _choice(LOG_FORMATS),
            f"log line format: {', '.join(LOG_FORMATS)}"),
+    Option("verify.enabled", "verify_enabled", _bool,
+           "verify each checkpoint once its writers are done (true/false)",
+           lambda: "true"),
+    Option("verify.quiet", "verify_quiet", _number(float, 0),
+           "seconds a path must see no new write before it is verified"),
+    Option("verify.deep-max-bytes", "verify_deep_max_bytes", _number(int, 0),
+           "files up to this size also get the deep check (CRC32 of every record)"),
+    Option("verify.max-rate", "verify_max_rate", _number(float, 0),
+           "bytes/s the deep check may read (0: no cap)", lambda: "200000000"),
 )
 _BY_FLAG = {o.flag: o for o in OPTIONS}
 

@@ -23,6 +23,7 @@ from monitor.config import Config
 from monitor.detector import Detector
 from monitor.ingest import IngestError, IngestServer
 from monitor.model import Collision, Write
+from monitor.verifier import Verification, Verifier, VerifySchedule
 
 log = logging.getLogger("ckptwatch.agent")
 
@@ -39,27 +40,86 @@ def pid_alive(node: str, pid: int) -> bool:
     return psutil.pid_exists(pid)
 
 
+class Checks:
+    """Verification of finished checkpoints, driven from the loop's thread (monitor.verifier).
+
+    A path is verified once it has been quiet for `verify.quiet` seconds after its last write:
+    after a collision that is when the last writer is done and the damage is final.
+    """
+
+    def __init__(self, config: Config, clock=time.monotonic):
+        self.enabled = config.verify_enabled
+        self.schedule = VerifySchedule(quiet=config.verify_quiet,
+                                       max_paths=config.collision_max_paths)
+        self.verifier = Verifier(deep_max_bytes=config.verify_deep_max_bytes,
+                                 max_rate=config.verify_max_rate or None)
+        self._clock = clock
+
+    def start(self) -> None:
+        if self.enabled:
+            self.verifier.start()
+
+    def stop(self) -> None:
+        self.verifier.stop()
+
+    def write_started(self, path: str) -> None:
+        if self.enabled:
+            self.schedule.write_started(path, self._clock())
+
+    def write_finished(self, write: Write) -> None:
+        if self.enabled and write.outcome == "ok":
+            self.schedule.write_finished(write.path, write.writer.job_label, self._clock())
+
+    def collided(self, c: Collision) -> None:
+        if self.enabled:
+            self.schedule.collided(c.path, c.id, self._clock())
+
+    def tick(self) -> list[Verification]:
+        """Hand due paths to the worker; return the verifications it finished since."""
+        if not self.enabled:
+            return []
+        for path, job, collision_id in self.schedule.due(self._clock()):
+            self.verifier.submit(path, job, collision_id)
+        return self.verifier.drain()
+
+
 class Exporters:
     """Hands each detector output to every exporter; one failing exporter never stops another."""
 
-    def __init__(self, state: MetricsState, journal: Journal):
-        self.state, self.journal = state, journal
+    def __init__(self, state: MetricsState, journal: Journal, checks: Checks | None = None):
+        self.state, self.journal, self.checks = state, journal, checks
 
     def publish(self, items) -> None:
         for item in items:
             if isinstance(item, Collision):
                 self.state.collision(item)
+                if self.checks is not None:
+                    self.checks.collided(item)
                 try:
                     log.warning("%s", collision_message(item))
                 except Exception:
                     log.exception("cannot format collision on %r", item.path)
             elif isinstance(item, Write):
                 self.state.write_finished(item)
+                if self.checks is not None:
+                    self.checks.write_finished(item)
             if not self.journal.write(item):     # never raises; a lost line is counted
                 self.state.journal_error()
             if isinstance(item, Collision):
                 # The journal is buffered between ticks for throughput (one flush per tick
                 # instead of one per write); a collision is rare and worth a flush of its own.
+                self.journal.flush()
+
+    def publish_verifications(self, verifications: list[Verification]) -> None:
+        for v in verifications:
+            self.state.verification(v.result, v.cause)
+            if v.result in ("corrupt", "unverifiable"):
+                # ok and gone are counted only: one journal line per save would double it.
+                if not self.journal.write(v.to_record()):
+                    self.state.journal_error()
+            if v.result == "corrupt":
+                by = f" (written by collision {v.collision_id})" if v.collision_id else ""
+                log.warning("corrupt checkpoint %s: %s [%s]%s", v.path, v.reason, v.cause, by)
                 self.journal.flush()
 
 
@@ -133,6 +193,7 @@ def run(config: Config, stop: threading.Event | None = None) -> int:
     detector = Detector(window=config.collision_window, settle=config.collision_settle,
                         stale_after=config.collision_stale_after,
                         max_paths=config.collision_max_paths, pid_alive=pid_alive)
+    checks = Checks(config)
     previous = _install_signal_handlers(stop)
     journal = None
     try:
@@ -156,11 +217,14 @@ def run(config: Config, stop: threading.Event | None = None) -> int:
         log.info("ckptwatch agent started: socket=%s metrics=%s (port %s) journal=%s pid=%d",
                  config.socket, config.listen_address, server.port, config.journal_path,
                  os.getpid())
-        _loop(stop, inbox, detector, Exporters(state, journal), state, ingest, heartbeat)
+        checks.start()
+        _loop(stop, inbox, detector, Exporters(state, journal, checks), state, ingest,
+              heartbeat)
         log.info("stopping")
         return 0
     finally:
         ingest.stop()
+        checks.stop()
         if journal is not None:
             outputs = Exporters(state, journal)
             _drain(inbox, detector, outputs, state)
@@ -175,10 +239,14 @@ def run(config: Config, stop: threading.Event | None = None) -> int:
 def _handle(batch: list[dict], detector: Detector, outputs: Exporters,
             state: MetricsState) -> None:
     state.event_received(len(batch))
+    checks = outputs.checks
     for event in batch:
-        if event["type"] == "dropped":
+        kind = event["type"]
+        if kind == "dropped":
             state.client_dropped(event["count"])
         else:
+            if kind == "start" and checks is not None:
+                checks.write_started(event["path"])
             try:
                 items = detector.observe(event)
             except Exception:
@@ -205,6 +273,8 @@ def _loop(stop, inbox, detector, outputs, state, ingest, heartbeat) -> None:
         if now >= next_tick:
             next_tick = now + TICK_SECONDS
             outputs.publish(detector.tick())
+            if outputs.checks is not None:
+                outputs.publish_verifications(outputs.checks.tick())
             state.set_active_writes(detector.active_writes())
             state.set_detector_stats(detector.tracked_paths, detector.evicted_paths_total)
             state.set_ingest_connections(ingest.connections)

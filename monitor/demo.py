@@ -37,7 +37,8 @@ def _agent_command(sock: str, port: int, journal: str) -> list[str]:
     else:  # installed without the source tree: the console script's module
         base = [sys.executable, "-m", "monitor.cli", "agent"]
     return base + ["--ingest.socket", sock, "--web.listen-address", f"127.0.0.1:{port}",
-                   "--journal.path", journal, "--collision.settle", "0.5", "--log.level", "warning"]
+                   "--journal.path", journal, "--collision.settle", "0.5", "--verify.quiet", "0.5",
+                   "--log.level", "warning"]
 
 
 def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 20.0) -> None:
@@ -98,8 +99,20 @@ def _metric_lines(url: str) -> list[str]:
     with urllib.request.urlopen(url + "/metrics", timeout=5) as r:
         text = r.read().decode()
     wanted = ("ckptwatch_collisions_total", "ckptwatch_writes_total",
-              "ckptwatch_last_collision_timestamp_seconds")
-    return [line for line in text.splitlines() if line.startswith(wanted)]
+              "ckptwatch_last_collision_timestamp_seconds",
+              "ckptwatch_checkpoint_verifications_total", "ckptwatch_corrupt_checkpoints_total")
+    # Zero-valued series (pre-created so alerts work from the start) are noise here.
+    return [line for line in text.splitlines()
+            if line.startswith(wanted) and not line.endswith(" 0.0")]
+
+
+def _agent_verdict(journal: str, path: str) -> str | None:
+    from exporters.journal import read_records
+    for r in read_records(journal):
+        if r.get("type") == "verification" and r.get("path") == path:
+            link = f", written by collision {r['collision_id']}" if r.get("collision_id") else ""
+            return f"the agent verified it: {r['result'].upper()} ({r['cause']}{link})"
+    return None
 
 
 def run(nproc: int = 4, keep: bool = False) -> int:
@@ -130,7 +143,9 @@ def run(nproc: int = 4, keep: bool = False) -> int:
         deadline = time.monotonic() + 15
         while not _collisions(journal) and time.monotonic() < deadline:
             time.sleep(0.2)
-        time.sleep(1.0)  # let the fixed job's writes settle too: it must show no collision
+        # Let the fixed job's writes settle (it must show no collision) and both files be
+        # verified (--verify.quiet 0.5 after their last write).
+        time.sleep(1.5)
         _say("[4/4] what ckptwatch saw\n")
         from monitor import report
         collisions = report.load(journal)
@@ -144,6 +159,9 @@ def run(nproc: int = 4, keep: bool = False) -> int:
             hit = any(c["path"] == path for c in _collisions(journal))
             _say(f"  {job}/last.pt: {'COLLISION reported' if hit else 'no collision reported'}")
             _say(f"    {_load_verdict(path, hit)}")
+            verdict = _agent_verdict(journal, path)
+            if verdict:
+                _say(f"    {verdict}")
         buggy_hit = any(c["path"].endswith("/buggy/last.pt") for c in _collisions(journal))
         fixed_hit = any(c["path"].endswith("/fixed/last.pt") for c in _collisions(journal))
         if not buggy_hit or fixed_hit:

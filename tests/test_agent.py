@@ -255,3 +255,39 @@ def test_instrumented_process_keeps_reporting_across_an_agent_restart(workdir, s
         trainer.stdin.close()
         assert trainer.wait(timeout=30) == 0
     assert all(os.path.exists(os.path.join(workdir, f"step{i}.pt")) for i in (1, 2, 3))
+
+
+TEARING_TRAINER = r"""
+import os, sys
+import torch
+import monitor
+monitor.install()
+out = sys.argv[1]
+torch.save({"w": torch.arange(100_000)}, os.path.join(out, "good.pt"))
+bad = os.path.join(out, "torn.pt")
+torch.save({"w": torch.arange(100_000)}, bad)
+# An uninstrumented writer (another job, a copy tool) cuts the file right after the save.
+with open(bad, "r+b") as f:
+    f.truncate(os.path.getsize(bad) // 2)
+"""
+
+
+def test_agent_verifies_finished_checkpoints_and_flags_a_torn_one(workdir, sockdir):
+    pytest.importorskip("torch")
+    from helpers import subprocess_env
+    with start_agent(workdir, *FAST, "--verify.quiet", "0.5") as agent:
+        out = os.path.join(workdir, "ckpt")
+        os.makedirs(out)
+        env = subprocess_env(CKPTWATCH_SOCKET=agent.socket, CKPTWATCH_JOB="verify", RANK="0")
+        subprocess.run([sys.executable, "-c", TEARING_TRAINER, out], env=env, check=True,
+                       timeout=120)
+        corrupt = wait_for(lambda: [r for r in agent.journal_records()
+                                    if r.get("type") == "verification"], timeout=20,
+                           message="a verification record")
+        assert [(r["path"], r["result"], r["cause"]) for r in corrupt] == [
+            (os.path.join(out, "torn.pt"), "corrupt", "truncated")]
+        assert agent.metric("ckptwatch_checkpoint_verifications_total", result="ok") == 1
+        assert agent.metric("ckptwatch_checkpoint_verifications_total", result="corrupt") == 1
+        assert agent.metric("ckptwatch_corrupt_checkpoints_total", reason="truncated") == 1
+        assert agent.metric("ckptwatch_corrupt_checkpoints_total", reason="torn") == 0
+    assert "corrupt checkpoint " + os.path.join(out, "torn.pt") in agent.log

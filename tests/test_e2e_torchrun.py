@@ -32,7 +32,7 @@ def settle() -> None:
 @pytest.fixture(scope="module")
 def agent():
     workdir = short_tmpdir("cwe")
-    with start_agent(workdir, "--collision.settle", str(SETTLE)) as proc:
+    with start_agent(workdir, "--collision.settle", str(SETTLE), "--verify.quiet", "0.5") as proc:
         yield proc
     remove_tree(workdir)
 
@@ -77,6 +77,21 @@ def test_every_rank_saving_one_path_is_one_concurrent_collision_naming_all_ranks
                for w in c["writers"]), [w["site"] for w in c["writers"]]
     assert all(w["func"] == "save_checkpoint" for w in c["writers"])
     assert c["first"]["rank"] in (0, 1, 2, 3) and c["last"]["rank"] in (0, 1, 2, 3)
+
+    # The agent verifies the file once the writers are done, and links the verdict to the
+    # collision. Whether this particular race tore the file is up to the scheduler, so the
+    # test's own deep check decides which outcome to expect.
+    from monitor.integrity import verify
+    truth = verify(path, deep=True)
+    if truth.status == "corrupt":
+        record = wait_for(lambda: [r for r in agent.journal_records()
+                                   if r.get("type") == "verification" and r["path"] == path],
+                          timeout=30, message="verification record")[0]
+        assert record["result"] == "corrupt" and record["collision_id"] == c["id"]
+    else:
+        settle()
+        assert not [r for r in agent.journal_records()
+                    if r.get("type") == "verification" and r["path"] == path]
 
     # Prometheus: one concurrent collision for this job, four finished writes by four ranks.
     assert agent.metric("ckptwatch_collisions_total", job=job, kind="concurrent",

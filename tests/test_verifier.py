@@ -1,0 +1,82 @@
+"""monitor.verifier: when a path is verified (pure schedule) and what verifying says (real
+files, real worker thread)."""
+import os
+
+import pytest
+
+from helpers import wait_for
+from monitor.verifier import RESULT_GONE, Verifier, VerifySchedule
+
+
+def test_a_path_is_due_once_quiet_for_the_quiet_time():
+    s = VerifySchedule(quiet=2.0)
+    s.write_finished("/c/a.pt", "job", now=10.0)
+    assert s.due(11.9) == []
+    assert s.due(12.0) == [("/c/a.pt", "job", "")]
+    assert s.due(100.0) == []          # handed out once
+
+
+def test_a_new_write_postpones_verification_until_it_ends():
+    s = VerifySchedule(quiet=1.0)
+    s.write_finished("/c/a.pt", "j", now=10.0)
+    s.write_started("/c/a.pt", now=10.5)
+    assert s.due(50.0) == []           # still being written: never verify a file in flight
+    s.write_finished("/c/a.pt", "j", now=60.0)
+    assert s.due(60.9) == [] and s.due(61.0) == [("/c/a.pt", "j", "")]
+
+
+def test_a_collision_is_linked_to_the_verification_of_its_path():
+    s = VerifySchedule(quiet=1.0)
+    for t in (10.0, 10.1, 10.2):
+        s.write_finished("/c/last.pt", "j", now=t)
+    s.collided("/c/last.pt", "abc123", now=11.0)
+    assert s.due(11.2) == [("/c/last.pt", "j", "abc123")]
+
+
+def test_the_schedule_is_bounded():
+    s = VerifySchedule(quiet=1.0, max_paths=3)
+    for i in range(10):
+        s.write_finished(f"/c/{i}.pt", "", now=float(i))
+    assert len(s) == 3
+    assert [p for p, _, _ in s.due(100.0)] == ["/c/7.pt", "/c/8.pt", "/c/9.pt"]
+
+
+@pytest.fixture
+def torch():
+    return pytest.importorskip("torch")
+
+
+def test_verify_real_files(tmp_path, torch):
+    good = tmp_path / "good.pt"
+    torch.save({"w": torch.arange(10_000)}, good)
+    bad = tmp_path / "bad.pt"
+    bad.write_bytes(good.read_bytes()[:-100])
+    v = Verifier(deep_max_bytes=1 << 30, max_rate=None)
+    ok = v.verify(str(good), job="j", collision_id="")
+    assert (ok.result, ok.format, ok.deep, ok.bytes) == ("ok", "torch-zip", True,
+                                                         good.stat().st_size)
+    corrupt = v.verify(str(bad), collision_id="c1")
+    assert corrupt.result == "corrupt" and corrupt.cause == "truncated"
+    assert corrupt.collision_id == "c1" and corrupt.reason
+    assert v.verify(str(tmp_path / "renamed-away.pt")).result == RESULT_GONE
+    # Above the deep limit only the structural check runs.
+    assert Verifier(deep_max_bytes=10).verify(str(good)).deep is False
+
+
+def test_worker_thread_verifies_submitted_paths(tmp_path, torch, no_thread_leak):
+    path = tmp_path / "x.pt"
+    torch.save({"a": 1}, path)
+    v = Verifier()
+    v.start()
+    try:
+        assert v.submit(str(path), "job-1", "")
+        got = wait_for(v.drain, message="a verification")
+        assert [(g.path, g.result, g.job) for g in got] == [(str(path), "ok", "job-1")]
+    finally:
+        v.stop()
+
+
+def test_a_full_queue_skips_and_counts(tmp_path):
+    v = Verifier(max_queue=2)          # not started: nothing drains the queue
+    assert [v.submit(f"/x/{i}.pt") for i in range(4)] == [True, True, False, False]
+    assert v.skipped_total == 2
