@@ -76,10 +76,13 @@ class _Entry:
 
     __slots__ = ("writer", "path", "seq", "start_wall", "start_mono", "end_wall", "end_mono",
                  "bytes", "outcome", "site", "func", "order", "seen_at", "done_at",
-                 "last_mono", "last_wall", "write", "dropped")
+                 "last_mono", "last_wall", "write", "dropped", "source", "seen_by")
 
     def __init__(self, writer: Writer, path: str, seq: int, start_wall: float,
-                 start_mono: float, site, func, order: int, seen_at: float):
+                 start_mono: float, site, func, order: int, seen_at: float,
+                 source: str = SOURCE_HOOK):
+        self.source = source            # who reported this write: "hook" or "fs"
+        self.seen_by = {source}         # every source that saw it (see Detector.mark_source)
         self.writer = writer
         self.path = path
         self.seq = seq
@@ -117,7 +120,7 @@ class _Entry:
         self.write = Write(writer=self.writer, path=self.path, seq=self.seq,
                            start_wall=self.start_wall, start_mono=self.start_mono,
                            end_wall=end_wall, end_mono=end_mono, bytes=nbytes, outcome=outcome,
-                           site=self.site, func=self.func, source=SOURCE_HOOK)
+                           site=self.site, func=self.func, source=self.source)
         return self.write
 
 
@@ -291,6 +294,19 @@ class Detector:
             self._end(key, event, now, out)
         return out
 
+    def mark_source(self, path: str, key: tuple, source: str) -> bool:
+        """Another source saw the write `key` = (node, pid, seq) on `path` too (the filesystem
+        watcher saw a save the hook reported): its collision, if any, names both sources.
+        False if that write is no longer tracked (already final)."""
+        state = self._paths.get(path)
+        if state is None:
+            return False
+        for entry in state.entries:
+            if entry.key == key:
+                entry.seen_by.add(source)
+                return True
+        return False
+
     def tick(self) -> list:
         """Close dead or stale writes and finalize groups whose time has come."""
         now = self._clock()
@@ -350,7 +366,7 @@ class Detector:
         state = self._state_for(event["path"], now, out)
         entry = _Entry(self._writer(event), event["path"], event["seq"], event["wall"],
                        event["mono"], event.get("site"), event.get("func"), next(self._order),
-                       max(event["mono"], now))
+                       max(event["mono"], now), event.get("source", SOURCE_HOOK))
         insort(state.entries, entry, key=_sort_key)
         if len(state.entries) > MAX_PATH_WRITES:
             self._update(state, now, out)
@@ -371,7 +387,8 @@ class Detector:
             state = self._state_for(event["path"], now, out)
             entry = _Entry(self._writer(event), event["path"], event["seq"],
                            event["start_wall"], event["start_mono"], event.get("site"),
-                           event.get("func"), next(self._order), now)
+                           event.get("func"), next(self._order), now,
+                           event.get("source", SOURCE_HOOK))
             insort(state.entries, entry, key=_sort_key)
         else:
             self._forget_open(entry)
@@ -582,6 +599,7 @@ class Detector:
 
     def _collision(self, kind: str, path: str, entries: list) -> Collision:
         writes = tuple(e.write for e in entries)    # entries come in start order
+        sources = tuple(sorted(set().union(*(e.seen_by for e in entries))))
         return Collision(path=path, kind=kind, writes=writes, scope=SCOPE_NODE,
-                         sources=(SOURCE_HOOK,), detected_wall=self._wall_clock(),
+                         sources=sources, detected_wall=self._wall_clock(),
                          id=collision_id(path, writes[0].start_wall))
