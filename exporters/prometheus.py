@@ -34,7 +34,7 @@ from prometheus_client.exposition import choose_encoder
 
 from monitor.events import REJECT_REASONS
 from monitor.integrity import CAUSES as CORRUPT_CAUSES
-from monitor.model import Collision, Write
+from monitor.model import SOURCE_FS, SOURCE_HOOK, Collision, Write
 from monitor.verifier import RESULTS as VERIFY_RESULTS
 from monitor.version import __version__
 
@@ -64,7 +64,7 @@ class MetricsSnapshot:
     write_bytes: Mapping[str, int]                     # job -> bytes
     write_duration: Mapping[str, Histogram]            # job -> histogram
     active_writes: Mapping[str, int]                   # job -> writes in flight
-    collisions: Mapping[tuple[str, str, str], int]     # (job, kind, scope) -> collisions
+    collisions: Mapping[tuple[str, str, str, str], int]  # (job, kind, scope, source) -> n
     last_collision: Mapping[str, float]                # job -> wall time of the last one
     events_received: int
     events_rejected: Mapping[str, int]                 # reason -> rejected inputs
@@ -73,6 +73,9 @@ class MetricsSnapshot:
     tracked_paths_evicted: int
     journal_errors: int
     ingest_connections: int
+    fluctuations: Mapping[str, int] = field(default_factory=dict)   # job -> size fluctuations
+    torn_reads: Mapping[str, int] = field(default_factory=dict)     # job -> torn reads
+    fs: Mapping = field(default_factory=dict)                      # FsSource.stats(), or {}
     verifications: Mapping[str, int] = field(default_factory=dict)  # result -> files verified
     corrupt: Mapping[str, int] = field(default_factory=dict)        # cause -> corrupt files
 
@@ -111,6 +114,9 @@ class MetricsState:
         self._journal_errors = 0
         self._ingest_connections = 0
         # Bounded label sets, present from the start (see _rejected above).
+        self._fluctuations: dict[str, int] = {}
+        self._torn_reads: dict[str, int] = {}
+        self._fs: dict = {}
         self._verifications: dict[str, int] = {r: 0 for r in VERIFY_RESULTS}
         self._corrupt: dict[str, int] = {c: 0 for c in CORRUPT_CAUSES}
 
@@ -151,7 +157,7 @@ class MetricsState:
     def collision(self, c: Collision) -> None:
         job = c.job_label
         with self._lock:
-            key = (job, c.kind, c.scope)
+            key = (job, c.kind, c.scope, collision_source(c))
             self._collisions[key] = self._collisions.get(key, 0) + 1
             when = c.detected_wall or max((w.end_wall or w.start_wall) for w in c.writes)
             self._last_collision[job] = max(when, self._last_collision.get(job, 0.0))
@@ -169,6 +175,17 @@ class MetricsState:
     def journal_error(self, n: int = 1) -> None:
         with self._lock:
             self._journal_errors += n
+
+    def finding(self, kind: str, job: str) -> None:
+        """A filesystem finding: kind "size_fluctuation" or "torn_read"."""
+        counts = self._fluctuations if kind == "size_fluctuation" else self._torn_reads
+        with self._lock:
+            counts[job] = counts.get(job, 0) + 1
+
+    def set_fs_stats(self, stats: dict) -> None:
+        """The filesystem source's counters (monitor.fssource.FsSource.stats())."""
+        with self._lock:
+            self._fs = dict(stats)
 
     def verification(self, result: str, cause: str = "") -> None:
         """One finished checkpoint verified: result ok|corrupt|unverifiable|gone; cause is
@@ -210,6 +227,9 @@ class MetricsState:
                 tracked_paths_evicted=self._evicted_total,
                 journal_errors=self._journal_errors,
                 ingest_connections=self._ingest_connections,
+                fluctuations=MappingProxyType(dict(self._fluctuations)),
+                torn_reads=MappingProxyType(dict(self._torn_reads)),
+                fs=MappingProxyType(dict(self._fs)),
                 verifications=MappingProxyType(dict(self._verifications)),
                 corrupt=MappingProxyType(dict(self._corrupt)),
             )
@@ -269,9 +289,12 @@ class CkptwatchCollector:
         collisions = CounterMetricFamily("ckptwatch_collisions",
                                          "Write collisions: kind is concurrent (overlapping "
                                          "writes, corruption) or redundant (same job run, one "
-                                         "after another).", labels=["job", "kind", "scope"])
-        for (job, kind, scope), n in sorted(s.collisions.items()):
-            collisions.add_metric([job, kind, scope], n)
+                                         "after another); source is hook when the hook saw "
+                                         "it (the filesystem may have too), fs when only the "
+                                         "filesystem watcher did.",
+                                         labels=["job", "kind", "scope", "source"])
+        for (job, kind, scope, source), n in sorted(s.collisions.items()):
+            collisions.add_metric([job, kind, scope, source], n)
         yield collisions
 
         last = GaugeMetricFamily("ckptwatch_last_collision_timestamp_seconds",
@@ -309,6 +332,24 @@ class CkptwatchCollector:
                                 "Instrumented processes connected to the ingest socket.",
                                 value=s.ingest_connections)
 
+        fluct = CounterMetricFamily("ckptwatch_size_fluctuations",
+                                    "Checkpoints that shrank while two or more processes had "
+                                    "them open for writing (filesystem watcher).",
+                                    labels=["job"])
+        for job, n in sorted(s.fluctuations.items()):
+            fluct.add_metric([job], n)
+        yield fluct
+
+        torn = CounterMetricFamily("ckptwatch_torn_reads",
+                                   "Checkpoints opened for reading while another process was "
+                                   "writing them (filesystem watcher).", labels=["job"])
+        for job, n in sorted(s.torn_reads.items()):
+            torn.add_metric([job], n)
+        yield torn
+
+        if s.fs:
+            yield from _fs_families(s.fs)
+
         verified = CounterMetricFamily("ckptwatch_checkpoint_verifications",
                                        "Finished checkpoints verified, by result (ok, corrupt, "
                                        "unverifiable, gone: renamed or deleted first).",
@@ -324,6 +365,38 @@ class CkptwatchCollector:
         for cause, n in sorted(s.corrupt.items()):
             corrupt.add_metric([cause], n)
         yield corrupt
+
+
+def collision_source(c: Collision) -> str:
+    """The `source` label of a collision: "hook" if the hook saw it (exact identities and
+    call sites; the watcher may have seen it too, see the journal's "sources"), else "fs".
+    One sample per collision, so sum without(source) counts collisions once."""
+    return SOURCE_HOOK if SOURCE_HOOK in c.sources else SOURCE_FS
+
+
+def _fs_families(fs: Mapping):
+    yield CounterMetricFamily("ckptwatch_fs_events_lost",
+                              "inotify queue overflows (events lost; a rescan follows).",
+                              value=fs.get("events_lost", 0))
+    yield CounterMetricFamily("ckptwatch_fs_watch_fallbacks",
+                              "Watched roots that fell back from inotify to polling.",
+                              value=fs.get("fallbacks", 0))
+    up = GaugeMetricFamily("ckptwatch_fs_watch_up",
+                           "1 if a configured directory is being watched, by mode "
+                           "(inotify or polling).", labels=["root_dir", "mode"])
+    for root, info in sorted(fs.get("roots", {}).items()):
+        up.add_metric([root, str(info.get("mode") or "")],
+                      1 if info.get("state") == "watching" else 0)
+    yield up
+    yield CounterMetricFamily("ckptwatch_attributions",
+                              "Process scans made to attribute a file write.",
+                              value=fs.get("attributions", 0))
+    yield CounterMetricFamily("ckptwatch_attribution_seconds",
+                              "Time spent attributing file writes to processes.",
+                              value=fs.get("attribution_seconds", 0.0), unit="seconds")
+    yield CounterMetricFamily("ckptwatch_attribution_errors",
+                              "Process scans that failed.",
+                              value=fs.get("attribution_errors", 0))
 
 
 def build_registry(state: MetricsState) -> CollectorRegistry:

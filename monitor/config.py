@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import grp
 import os
+import socket
 import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -18,6 +19,10 @@ from typing import Any, Callable
 from monitor import paths
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
+WATCH_MODES = ("auto", "inotify", "polling")
+# Which files count as checkpoints in watched directories (plus any path a hook event names).
+# Kept here, not imported from monitor.fswatch, so `--help` works without watchdog loaded.
+WATCH_PATTERNS = ("*.pt", "*.pth", "*.bin", "*.ckpt", "*.safetensors", "*.distcp")
 LOG_FORMATS = ("logfmt", "json")
 
 
@@ -61,6 +66,12 @@ class Config:
     verify_quiet: float = 2.0
     verify_deep_max_bytes: int = 256 * 1024 * 1024
     verify_max_rate: float = 200e6            # bytes/s for deep checks; 0 = no cap
+    node: str = field(default_factory=lambda: os.environ.get("CKPTWATCH_NODE")
+                      or socket.gethostname())
+    watch_paths: list = field(default_factory=list)
+    watch_mode: str = "auto"
+    watch_poll_interval: float = 1.0
+    watch_patterns: list = field(default_factory=lambda: list(WATCH_PATTERNS))
 
 
 # --- value converters: take a flag string or a config-file value, return the typed value or
@@ -165,6 +176,29 @@ def _bool(value: Any) -> bool:
     raise ValueError(f"expected true or false, got {value!r}")
 
 
+def _path_list(value: Any) -> list:
+    items = value if isinstance(value, list) else [value]
+    return [_path(item) for item in items]
+
+
+def _patterns(value: Any) -> list:
+    items = value if isinstance(value, list) else [value]
+    out = []
+    for item in items:
+        if not isinstance(item, str):
+            raise ValueError(f"expected file name patterns such as '*.pt', got {item!r}")
+        out += [p for p in item.replace(",", " ").split() if p]
+    if not out:
+        raise ValueError("expected at least one pattern such as '*.pt'")
+    return out
+
+
+def _name(value: Any) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError("expected a non-empty name")
+    return value.strip()
+
+
 def _choice(choices: tuple[str, ...]) -> Callable[[Any], str]:
     def convert(value: Any) -> str:
         if not isinstance(value, str) or value.lower() not in choices:
@@ -180,6 +214,7 @@ class Option:
     convert: Callable[[Any], Any]
     help: str
     show_default: Callable[[], str] | None = None
+    repeatable: bool = False       # a flag given several times; a list in the config file
 
 
 OPTIONS = (
@@ -213,6 +248,21 @@ OPTIONS = (
            f"log level: {', '.join(LOG_LEVELS)}"),
     Option("log.format", "log_format", _choice(LOG_FORMATS),
            f"log line format: {', '.join(LOG_FORMATS)}"),
+    Option("node.name", "node", _name,
+           "this node's name in events from the filesystem watcher (the hook's own events "
+           "carry CKPTWATCH_NODE or the trainer's host name)",
+           lambda: "$CKPTWATCH_NODE or the host name"),
+    Option("watch.path", "watch_paths", _path_list,
+           "directory to watch for checkpoint writes by any process, recursively; repeat "
+           "for several (none: only the hook's events)", lambda: "none", repeatable=True),
+    Option("watch.mode", "watch_mode", _choice(WATCH_MODES),
+           "auto (inotify, polling where inotify fails), inotify, or polling (network "
+           "filesystems: inotify cannot see other nodes' writes)"),
+    Option("watch.poll-interval", "watch_poll_interval", _number(float, 0, strict=True),
+           "seconds between polls in polling mode"),
+    Option("watch.patterns", "watch_patterns", _patterns,
+           "file name patterns that count as checkpoints, comma-separated",
+           lambda: ",".join(WATCH_PATTERNS)),
     Option("verify.enabled", "verify_enabled", _bool,
            "verify each checkpoint once its writers are done (true/false)",
            lambda: "true"),
@@ -253,6 +303,7 @@ def build_parser(prog: str = "ckptwatch agent") -> argparse.ArgumentParser:
     for opt in OPTIONS:
         shown = opt.show_default() if opt.show_default else getattr(defaults, opt.attr)
         parser.add_argument(f"--{opt.flag}", dest=opt.attr, default=None,
+                            action="append" if opt.repeatable else "store",
                             metavar=opt.flag.split(".")[-1].upper().replace("-", "_"),
                             help=f"{opt.help} (default: {shown})")
     return parser

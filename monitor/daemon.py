@@ -21,6 +21,8 @@ from exporters.prometheus import MetricsServer, MetricsState, build_registry
 from monitor import logformat
 from monitor.config import Config
 from monitor.detector import Detector
+from monitor.fsmerge import SourceMerger
+from monitor.fssource import FsSource
 from monitor.ingest import IngestError, IngestServer
 from monitor.model import Collision, Write
 from monitor.verifier import Verification, Verifier, VerifySchedule
@@ -31,6 +33,8 @@ TICK_SECONDS = 0.2          # detector.tick() cadence: settles collisions, expir
 BATCH = 4096                # events taken from the queue per turn
 MAX_BACKLOG = 20_000        # events waiting before ingest stops reading (~40 MB, ~0.5 s of flood)
 STALL_SECONDS = 30.0        # /healthz fails when the loop has not turned for this long
+FS_TURN_SECONDS = 0.05      # loop wait with a filesystem source (see _loop)
+FINDINGS = ("size_fluctuation", "torn_read")
 
 
 def pid_alive(node: str, pid: int) -> bool:
@@ -110,6 +114,22 @@ class Exporters:
                 # instead of one per write); a collision is rare and worth a flush of its own.
                 self.journal.flush()
 
+    def publish_finding(self, finding: dict) -> None:
+        """A size fluctuation or torn read seen by the filesystem source."""
+        self.state.finding(finding["type"], finding.get("job") or "")
+        if not self.journal.write(finding):
+            self.state.journal_error()
+        who = ", ".join(f"{'rank%s' % w['rank'] if w.get('rank') is not None else 'pid'}"
+                        f"({w['pid']})" for w in finding.get("writers", []))
+        if finding["type"] == "size_fluctuation":
+            log.warning("size fluctuation on %s: shrank from %s to %s bytes while written by "
+                        "%s", finding["path"], finding.get("size_before"),
+                        finding.get("size_after"), who)
+        else:
+            reader = finding.get("reader") or {}
+            log.warning("torn read of %s: pid %s opened it for reading while %s wrote it",
+                        finding["path"], reader.get("pid", "?"), who)
+
     def publish_verifications(self, verifications: list[Verification]) -> None:
         for v in verifications:
             self.state.verification(v.result, v.cause)
@@ -123,11 +143,13 @@ class Exporters:
                 self.journal.flush()
 
 
-def health_check(ingest: IngestServer, heartbeat: list[float]):
-    """/healthz: unhealthy when the ingest thread died or the core loop stopped turning."""
+def health_check(ingest: IngestServer, heartbeat: list[float], fs: FsSource | None = None):
+    """/healthz: unhealthy when a source's thread died or the core loop stopped turning."""
     def health() -> tuple[bool, str]:
         if not ingest.alive:
             return False, "ingest thread is not running"
+        if fs is not None and not fs.alive:
+            return False, "filesystem attribution thread is not running"
         if time.monotonic() - heartbeat[0] > STALL_SECONDS:
             return False, "agent loop stalled"
         return True, ""
@@ -177,6 +199,87 @@ def _install_signal_handlers(stop: threading.Event) -> dict:
     return previous
 
 
+class Pipeline:
+    """Everything the loop's thread owns: detector, fs/hook merging, checks, exporters."""
+
+    def __init__(self, detector: Detector, outputs: "Exporters", state: MetricsState,
+                 merger: SourceMerger | None = None, fs: FsSource | None = None):
+        self.detector, self.outputs, self.state = detector, outputs, state
+        self.merger, self.fs = merger, fs
+        self.fs_inbox: queue.SimpleQueue = queue.SimpleQueue()
+
+    def hook_batch(self, batch: list[dict]) -> None:
+        self.state.event_received(len(batch))
+        checks, merger, fs = self.outputs.checks, self.merger, self.fs
+        for event in batch:
+            kind = event["type"]
+            if kind == "dropped":
+                self.state.client_dropped(event["count"])
+                continue
+            if kind == "start":
+                if checks is not None:
+                    checks.write_started(event["path"])
+                if fs is not None:
+                    fs.add_path(event["path"])
+            if merger is not None:
+                merger.hook_event(event)
+            self.observe(event)
+
+    def observe(self, event: dict) -> None:
+        try:
+            items = self.detector.observe(event)
+        except Exception:
+            # A detector bug on one event must not stop the agent for every other one.
+            log.exception("detector failed on a %s event for %r", event["type"],
+                          event.get("path"))
+            return
+        self.outputs.publish(items)
+
+    def fs_turn(self) -> None:
+        """Take what the filesystem source delivered; pass on what the merger let through."""
+        if self.merger is None:
+            return
+        while True:
+            try:
+                batch = self.fs_inbox.get_nowait()
+            except queue.Empty:
+                break
+            for event in batch:
+                kind = event["type"]
+                if kind in ("start", "end"):
+                    if kind == "start" and self.outputs.checks is not None:
+                        self.outputs.checks.write_started(event["path"])
+                    self.merger.fs_event(event)
+                elif kind in FINDINGS:
+                    self.outputs.publish_finding(event)
+                # fs_collision is not counted: the detector builds the collision from the
+                # fs writes' intervals, once, whichever sources saw it.
+        forward, seen = self.merger.due()
+        for event in forward:
+            self.observe(event)
+        for path, key in seen:
+            self.detector.mark_source(path, key, "fs")
+
+    def tick(self, ingest: IngestServer) -> None:
+        self.outputs.publish(self.detector.tick())
+        if self.outputs.checks is not None:
+            self.outputs.publish_verifications(self.outputs.checks.tick())
+        self.state.set_active_writes(self.detector.active_writes())
+        self.state.set_detector_stats(self.detector.tracked_paths,
+                                      self.detector.evicted_paths_total)
+        self.state.set_ingest_connections(ingest.connections)
+        if self.fs is not None:
+            self.state.set_fs_stats(self.fs.stats())
+        self.outputs.journal.flush()
+
+    def drain(self, inbox: "Inbox") -> None:
+        while batch := inbox.take(0):
+            self.hook_batch(batch)
+        if self.merger is not None:
+            self.merger.delay = 0          # shutting down: decide on every held fs event now
+            self.fs_turn()
+
+
 def run(config: Config, stop: threading.Event | None = None) -> int:
     """Run the agent until SIGTERM/SIGINT (or `stop` is set). Returns the exit code:
     0 after a clean stop, 1 when the agent cannot start (socket or port in use, ...)."""
@@ -188,12 +291,23 @@ def run(config: Config, stop: threading.Event | None = None) -> int:
                           backlog=inbox.backlog, max_backlog=MAX_BACKLOG,
                           socket_mode=config.socket_mode, socket_group=config.socket_group)
     heartbeat = [time.monotonic()]
-    server = MetricsServer(config.listen_address, build_registry(state),
-                           health=health_check(ingest, heartbeat))
     detector = Detector(window=config.collision_window, settle=config.collision_settle,
                         stale_after=config.collision_stale_after,
                         max_paths=config.collision_max_paths, pid_alive=pid_alive)
     checks = Checks(config)
+    fs = merger = None
+    pipeline = Pipeline(detector, None, state)
+    if config.watch_paths:
+        # The merger waits for the hook's report of a save before taking the watcher's as a
+        # write of its own; it must decide well within `settle`, before groups are final.
+        merger = SourceMerger(delay=min(0.25, config.collision_settle / 2),
+                              window=config.collision_window,
+                              max_paths=config.collision_max_paths)
+        fs = FsSource(config.watch_paths, config.watch_patterns, config.watch_mode,
+                      config.watch_poll_interval, config.node, pipeline.fs_inbox.put)
+        pipeline.merger, pipeline.fs = merger, fs
+    server = MetricsServer(config.listen_address, build_registry(state),
+                           health=health_check(ingest, heartbeat, fs))
     previous = _install_signal_handlers(stop)
     journal = None
     try:
@@ -208,27 +322,35 @@ def run(config: Config, stop: threading.Event | None = None) -> int:
         except JournalError as exc:
             log.error("%s", exc.strerror)       # names the path and the reason
             return 1
+        pipeline.outputs = Exporters(state, journal, checks)
         try:
             server.start()
         except OSError as exc:
             log.error("cannot serve metrics on %s: %s", config.listen_address,
                       exc.strerror or exc)
             return 1
-        log.info("ckptwatch agent started: socket=%s metrics=%s (port %s) journal=%s pid=%d",
-                 config.socket, config.listen_address, server.port, config.journal_path,
-                 os.getpid())
+        if fs is not None:
+            try:
+                fs.start()
+            except (OSError, ValueError) as exc:
+                log.error("cannot watch %s: %s", ", ".join(config.watch_paths), exc)
+                return 1
+        log.info("ckptwatch agent started: socket=%s metrics=%s (port %s) journal=%s "
+                 "watch=%s pid=%d", config.socket, config.listen_address, server.port,
+                 config.journal_path, ",".join(config.watch_paths) or "none", os.getpid())
         checks.start()
-        _loop(stop, inbox, detector, Exporters(state, journal, checks), state, ingest,
-              heartbeat)
+        _loop(stop, inbox, pipeline, ingest, heartbeat)
         log.info("stopping")
         return 0
     finally:
         ingest.stop()
+        if fs is not None:
+            fs.stop()
         checks.stop()
         if journal is not None:
-            outputs = Exporters(state, journal)
-            _drain(inbox, detector, outputs, state)
-            outputs.publish(detector.flush())
+            pipeline.outputs = Exporters(state, journal)
+            pipeline.drain(inbox)
+            pipeline.outputs.publish(detector.flush())
             journal.flush()
             journal.close()
         server.stop()
@@ -236,46 +358,18 @@ def run(config: Config, stop: threading.Event | None = None) -> int:
             signal.signal(sig, handler)
 
 
-def _handle(batch: list[dict], detector: Detector, outputs: Exporters,
-            state: MetricsState) -> None:
-    state.event_received(len(batch))
-    checks = outputs.checks
-    for event in batch:
-        kind = event["type"]
-        if kind == "dropped":
-            state.client_dropped(event["count"])
-        else:
-            if kind == "start" and checks is not None:
-                checks.write_started(event["path"])
-            try:
-                items = detector.observe(event)
-            except Exception:
-                # A detector bug on one event must not stop the agent for every other one.
-                log.exception("detector failed on a %s event for %r", event["type"],
-                              event.get("path"))
-                continue
-            outputs.publish(items)
-
-
-def _drain(inbox, detector, outputs, state) -> None:
-    while batch := inbox.take(0):
-        _handle(batch, detector, outputs, state)
-
-
-def _loop(stop, inbox, detector, outputs, state, ingest, heartbeat) -> None:
+def _loop(stop, inbox: Inbox, pipeline: Pipeline, ingest: IngestServer, heartbeat) -> None:
     next_tick = time.monotonic()
+    # With a filesystem source the loop turns more often: held fs events are due after the
+    # merger's short delay, not after a whole tick.
+    wait = TICK_SECONDS if pipeline.fs is None else FS_TURN_SECONDS
     while not stop.is_set():
-        batch = inbox.take(TICK_SECONDS)
+        batch = inbox.take(wait)
         if batch:
-            _handle(batch, detector, outputs, state)
+            pipeline.hook_batch(batch)
+        pipeline.fs_turn()
         now = time.monotonic()
         heartbeat[0] = now
         if now >= next_tick:
             next_tick = now + TICK_SECONDS
-            outputs.publish(detector.tick())
-            if outputs.checks is not None:
-                outputs.publish_verifications(outputs.checks.tick())
-            state.set_active_writes(detector.active_writes())
-            state.set_detector_stats(detector.tracked_paths, detector.evicted_paths_total)
-            state.set_ingest_connections(ingest.connections)
-            outputs.journal.flush()
+            pipeline.tick(ingest)

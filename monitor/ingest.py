@@ -324,6 +324,8 @@ class IngestServer:
                     self._reject(events.REJECT_PID_MISMATCH)
                     continue
                 event["pid"] = conn.pid  # the node-unique, agent-visible pid (see module doc)
+            if "source" in event:
+                del event["source"]     # the socket speaks for the hook only: no claiming "fs"
             good.append(event)
         if not good:
             return

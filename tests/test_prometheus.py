@@ -88,9 +88,9 @@ def test_collisions_by_kind_scope_and_last_timestamp(state):
     state.collision(collision(kind=KIND_REDUNDANT, detected=1_700_000_200.0))
     reg = build_registry(state)
     assert value(reg, "ckptwatch_collisions_total", job="job-a", kind="concurrent",
-                 scope="node") == 2
+                 scope="node", source="hook") == 2
     assert value(reg, "ckptwatch_collisions_total", job="job-a", kind="redundant",
-                 scope="node") == 1
+                 scope="node", source="hook") == 1
     # The latest, not the last reported (collisions become final out of order).
     assert value(reg, "ckptwatch_last_collision_timestamp_seconds",
                  job="job-a") == 1_700_000_300.0
@@ -102,7 +102,7 @@ def test_collision_between_two_jobs_uses_the_collision_job_label(state):
     state.collision(c)
     reg = build_registry(state)
     assert value(reg, "ckptwatch_collisions_total", job=c.job_label, kind="concurrent",
-                 scope="node") == 1
+                 scope="node", source="hook") == 1
 
 
 def test_ingest_counters_rejects_prepopulated(state):
@@ -270,7 +270,7 @@ def test_server_scrape_matches_state(server):
     samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
                for f in text_string_to_metric_families(body) for s in f.samples}
     key = ("ckptwatch_collisions_total",
-           (("job", "job-a"), ("kind", "concurrent"), ("scope", "node")))
+           (("job", "job-a"), ("kind", "concurrent"), ("scope", "node"), ("source", "hook")))
     assert samples[key] == 1
     assert samples[("ckptwatch_writes_total", (("job", "job-a"), ("rank", "1")))] == 1
     assert samples[("ckptwatch_events_rejected_total", (("reason", "truncated"),))] == 1
@@ -361,3 +361,36 @@ def test_real_scrape_passes_promtool_check_metrics(server):
     assert result.returncode == 0, result.stdout + result.stderr
     # promtool prints lint findings even with exit code 0 on some versions.
     assert result.stdout.strip() == "" and result.stderr.strip() == "", result
+
+
+def test_collision_source_label_one_sample_per_collision(state):
+    from monitor.model import SOURCE_FS
+    both = Collision(path=PATH, kind=KIND_CONCURRENT, sources=("fs", "hook"),
+                     writes=(write(pid=1), write(pid=2, start=10.1)), detected_wall=5.0)
+    fs_only = Collision(path=PATH, kind=KIND_CONCURRENT, sources=(SOURCE_FS,),
+                        writes=(write(pid=3), write(pid=4, start=10.1)), detected_wall=6.0)
+    state.collision(both)
+    state.collision(fs_only)
+    reg = build_registry(state)
+    assert value(reg, "ckptwatch_collisions_total", job="job-a", kind="concurrent",
+                 scope="node", source="hook") == 1
+    assert value(reg, "ckptwatch_collisions_total", job="job-a", kind="concurrent",
+                 scope="node", source="fs") == 1
+
+
+def test_filesystem_findings_and_source_stats(state):
+    state.finding("size_fluctuation", "job-a")
+    state.finding("torn_read", "job-a")
+    state.finding("torn_read", "job-a")
+    state.set_fs_stats({"events_lost": 2, "fallbacks": 1, "attributions": 5,
+                        "attribution_seconds": 0.25, "attribution_errors": 0,
+                        "roots": {"/ckpt": {"mode": "polling", "state": "watching"},
+                                  "/gone": {"mode": "inotify", "state": "missing"}}})
+    reg = build_registry(state)
+    assert value(reg, "ckptwatch_size_fluctuations_total", job="job-a") == 1
+    assert value(reg, "ckptwatch_torn_reads_total", job="job-a") == 2
+    assert value(reg, "ckptwatch_fs_events_lost_total") == 2
+    assert value(reg, "ckptwatch_fs_watch_fallbacks_total") == 1
+    assert value(reg, "ckptwatch_fs_watch_up", root_dir="/ckpt", mode="polling") == 1
+    assert value(reg, "ckptwatch_fs_watch_up", root_dir="/gone", mode="inotify") == 0
+    assert value(reg, "ckptwatch_attribution_seconds_total") == 0.25

@@ -1,0 +1,87 @@
+"""The agent's filesystem source: watcher -> attribution thread -> the core loop.
+
+The watcher's callbacks run on watchdog's threads and must be quick, and attribution (which
+process has the file open, read from /proc) costs milliseconds and may wait a moment for a
+fresh fd to appear. So: the watcher only queues FsEvents; one attribution thread turns them
+into start/end events and findings (monitor.fswatch.attribute), and hands them to the core
+loop as batches through `deliver`. The core loop owns the detector; nothing here touches it.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+
+from monitor import fswatch, procscan
+
+log = logging.getLogger("ckptwatch.fs")
+
+MAX_QUEUED = 100_000        # FsEvents waiting for attribution; beyond: dropped and counted
+
+
+class FsSource:
+    def __init__(self, roots, patterns, mode: str, poll_interval: float, node: str,
+                 deliver):
+        self._deliver = deliver
+        self._queue: queue.Queue = queue.Queue(maxsize=MAX_QUEUED)
+        self.scanner = procscan.ProcScanner(node=node)
+        self.tracker = fswatch.WriteTracker(node=node)
+        self.watcher = fswatch.Watcher(roots, patterns, mode, poll_interval,
+                                       on_event=self._enqueue,
+                                       on_rescan=lambda root: self._enqueue(("rescan", root)))
+        self._thread: threading.Thread | None = None
+        self.dropped_total = 0
+        self.errors_total = 0
+
+    def start(self) -> None:
+        self.watcher.start()
+        self._thread = threading.Thread(target=self._run, name="ckptwatch-fs-attribution",
+                                        daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self.watcher.stop()
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join(timeout=10)
+            self._thread = None
+
+    def add_path(self, path: str) -> None:
+        """A hook event named this path: watch it whatever its name."""
+        self.watcher.add_path(path)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def stats(self) -> dict:
+        watched = self.watcher.stats()
+        scans = self.scanner.stats()
+        return {"events_lost": watched["events_lost"], "fallbacks": watched["fallbacks"],
+                "roots": watched["roots"], "attributions": scans["scans"],
+                "attribution_seconds": scans["total_seconds"],
+                "attribution_errors": scans["errors"], "dropped": self.dropped_total,
+                "errors": self.errors_total}
+
+    def _enqueue(self, item) -> None:
+        try:
+            self._queue.put_nowait(item)
+        except queue.Full:
+            self.dropped_total += 1
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            try:
+                if isinstance(item, tuple) and item[0] == "rescan":
+                    out = fswatch.rescan(item[1], self.tracker, self.scanner,
+                                         self.watcher.matches)
+                else:
+                    out = fswatch.attribute(item, self.tracker, self.scanner)
+                if out:
+                    self._deliver(out)
+            except Exception:       # one odd file must not end filesystem observation
+                self.errors_total += 1
+                log.exception("filesystem event handling failed for %r", item)
