@@ -22,7 +22,7 @@ from monitor import logformat
 from monitor.config import Config
 from monitor.detector import Detector
 from monitor.fsmerge import SourceMerger
-from monitor.fssource import FsSource
+from monitor.fssource import FILE_CHANGED, FILE_CLOSED, FsSource
 from monitor.ingest import IngestError, IngestServer
 from monitor.model import Collision, Write
 from monitor.verifier import Verification, Verifier, VerifySchedule
@@ -73,6 +73,11 @@ class Checks:
     def write_finished(self, write: Write) -> None:
         if self.enabled and write.outcome == "ok":
             self.schedule.write_finished(write.path, write.writer.job_label, self._clock())
+
+    def file_closed(self, path: str) -> None:
+        """The watcher saw a write to `path` finish (any writer, attributed or not)."""
+        if self.enabled:
+            self.schedule.write_finished(path, "", self._clock())
 
     def collided(self, c: Collision) -> None:
         if self.enabled:
@@ -252,6 +257,10 @@ class Pipeline:
                     self.merger.fs_event(event)
                 elif kind in FINDINGS:
                     self.outputs.publish_finding(event)
+                elif kind == FILE_CLOSED and self.outputs.checks is not None:
+                    self.outputs.checks.file_closed(event["path"])
+                elif kind == FILE_CHANGED and self.outputs.checks is not None:
+                    self.outputs.checks.write_started(event["path"])
                 # fs_collision is not counted: the detector builds the collision from the
                 # fs writes' intervals, once, whichever sources saw it.
         forward, seen = self.merger.due()

@@ -17,6 +17,8 @@ from monitor import fswatch, procscan
 log = logging.getLogger("ckptwatch.fs")
 
 MAX_QUEUED = 100_000        # FsEvents waiting for attribution; beyond: dropped and counted
+FILE_CLOSED = "file_closed" # delivered for every finished write: verify the file
+FILE_CHANGED = "file_changed"  # delivered once per write in progress: not yet
 
 
 class FsSource:
@@ -32,6 +34,7 @@ class FsSource:
         self._thread: threading.Thread | None = None
         self.dropped_total = 0
         self.errors_total = 0
+        self._changing: set = set()   # paths modified since their last close (thread-local use)
 
     def start(self) -> None:
         self.watcher.start()
@@ -80,6 +83,17 @@ class FsSource:
                                          self.watcher.matches)
                 else:
                     out = fswatch.attribute(item, self.tracker, self.scanner)
+                    if item.kind == fswatch.CLOSED_WRITE:
+                        # Whoever wrote it (attributed or not: under polling a short write
+                        # is over before any scan), a finished file is due for verification.
+                        self._changing.discard(item.path)
+                        out = out + [{"type": FILE_CLOSED, "path": item.path, "source": "fs"}]
+                    elif item.kind == fswatch.MODIFIED and item.path not in self._changing:
+                        # Being written again: no verification until the next close (once
+                        # per write, not per write(2)).
+                        if len(self._changing) < MAX_QUEUED:
+                            self._changing.add(item.path)
+                        out = out + [{"type": FILE_CHANGED, "path": item.path, "source": "fs"}]
                 if out:
                     self._deliver(out)
             except Exception:       # one odd file must not end filesystem observation

@@ -20,6 +20,7 @@ import os
 import queue
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from monitor import integrity
@@ -28,6 +29,7 @@ log = logging.getLogger("ckptwatch.verifier")
 
 RESULT_GONE = "gone"        # the file was renamed or deleted before it could be verified
 RESULTS = (integrity.OK, integrity.CORRUPT, integrity.UNVERIFIABLE, RESULT_GONE)
+MAX_REMEMBERED = 10000      # files whose last verified (size, mtime, inode) is kept
 
 
 @dataclass(frozen=True)
@@ -111,6 +113,10 @@ class Verifier:
         self._wall = wall_clock
         self._thread: threading.Thread | None = None
         self.skipped_total = 0            # paths not verified because the queue was full
+        # path -> (size, mtime_ns, inode) last verified: the same bytes are not verified (and
+        # reported) twice when several signals say one file is finished (polling, hook+fs).
+        self._verified: OrderedDict = OrderedDict()
+        self.unchanged_total = 0
 
     def start(self) -> None:
         if self._thread is None:
@@ -147,16 +153,27 @@ class Verifier:
             except queue.Empty:
                 return out
 
-    def verify(self, path: str, job: str = "", collision_id: str = "") -> Verification:
-        """Verify one file now (the worker's step; also usable directly)."""
+    def verify(self, path: str, job: str = "", collision_id: str = "") -> Verification | None:
+        """Verify one file now (the worker's step; also usable directly). None when the file
+        is unchanged since it was last verified."""
         started = time.monotonic()
         try:
-            size = os.stat(path).st_size
+            st = os.stat(path)
         except FileNotFoundError:
             return Verification(path, RESULT_GONE, job=job, collision_id=collision_id,
                                 wall=self._wall())
         except OSError:
-            size = None
+            st = None
+        size = st.st_size if st is not None else None
+        if st is not None:
+            signature = (st.st_size, st.st_mtime_ns, st.st_ino)
+            if self._verified.get(path) == signature:
+                self.unchanged_total += 1
+                return None
+            self._verified[path] = signature
+            self._verified.move_to_end(path)
+            if len(self._verified) > MAX_REMEMBERED:
+                self._verified.popitem(last=False)
         deep = size is not None and size <= self.deep_max_bytes
         verdict = integrity.verify(path, deep=deep, max_bytes_per_second=self.max_rate)
         cause = ""
@@ -171,6 +188,8 @@ class Verifier:
             if item is None:
                 return
             try:
-                self._outbox.put(self.verify(*item))
+                result = self.verify(*item)
+                if result is not None:
+                    self._outbox.put(result)
             except Exception:       # a verifier bug must not kill the thread
                 log.exception("verification of %r failed", item[0])

@@ -80,3 +80,13 @@ def test_a_full_queue_skips_and_counts(tmp_path):
     v = Verifier(max_queue=2)          # not started: nothing drains the queue
     assert [v.submit(f"/x/{i}.pt") for i in range(4)] == [True, True, False, False]
     assert v.skipped_total == 2
+
+
+def test_the_same_bytes_are_verified_once(tmp_path, torch):
+    path = tmp_path / "x.pt"
+    torch.save({"a": 1}, path)
+    v = Verifier()
+    assert v.verify(str(path)).result == "ok"
+    assert v.verify(str(path)) is None and v.unchanged_total == 1
+    torch.save({"a": 2, "b": torch.zeros(10)}, path)     # rewritten: verified again
+    assert v.verify(str(path)).result == "ok"
