@@ -61,16 +61,23 @@ def test_every_rank_saving_is_a_collision_seen_by_the_filesystem_alone(watched):
     out = os.path.join(root, "every")
     job = torchrun(out, "every-rank")
     path = os.path.join(out, "last.pt")
-    (c,) = wait_for(lambda: collisions(agent, path), timeout=30, message="fs collision")
-    assert c["kind"] == "concurrent" and c["sources"] == ["fs"]
-    writers = c["writers"]
-    assert len({w["pid"] for w in writers}) >= 2
+    found = wait_for(lambda: collisions(agent, path), timeout=30, message="fs collision")
+    time.sleep(2.0)
+    found = collisions(agent, path)
+    # Usually one collision. The watcher times a write by when it observed the open and the
+    # close, so under load a late-attributed writer can fall outside the first group and
+    # form a second one; every one of them is a real overlap of different processes.
+    assert 1 <= len(found) <= 2, found
+    writers = [w for c in found for w in c["writers"]]
+    assert all(c["kind"] == "concurrent" and c["sources"] == ["fs"] for c in found)
+    assert all(len({w["pid"] for w in c["writers"]}) >= 2 for c in found)
     # Attribution read RANK and the job id from each writer's environment.
     ranks = {w["rank"] for w in writers}
-    assert ranks <= {0, 1, 2, 3} and len(ranks) == len({w["pid"] for w in writers})
+    assert ranks <= {0, 1, 2, 3} and len(ranks) == len({w["pid"] for w in writers}) >= 2
     assert {w["job"] for w in writers} == {job}
     assert all(w["source"] == "fs" for w in writers)
-    assert agent.metric("ckptwatch_collisions_total", kind="concurrent", source="fs") == 1
+    assert agent.metric("ckptwatch_collisions_total", kind="concurrent",
+                        source="fs") == len(found)
 
 
 def test_rank0_alone_is_not_a_collision_for_the_filesystem_either(watched):
