@@ -88,6 +88,15 @@ class FsSource:
                         # is over before any scan), a finished file is due for verification.
                         self._changing.discard(item.path)
                         out = out + [{"type": FILE_CLOSED, "path": item.path, "source": "fs"}]
+                    elif item.kind == fswatch.MOVED and item.dest:
+                        # An atomic save (write elsewhere, rename into place) finishes with
+                        # the rename.
+                        out = out + [{"type": FILE_CLOSED, "path": item.dest, "source": "fs"}]
+                    elif item.kind == fswatch.CREATED and item.size:
+                        # Created with content at once: renamed in from outside the watched
+                        # tree (Lightning/fsspec move a temp file in; inotify reports that as
+                        # a create). A fresh open(O_CREAT) is 0 bytes and waits for its close.
+                        out = out + [{"type": FILE_CLOSED, "path": item.path, "source": "fs"}]
                     elif item.kind == fswatch.MODIFIED and item.path not in self._changing:
                         # Being written again: no verification until the next close (once
                         # per write, not per write(2)).

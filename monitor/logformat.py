@@ -50,4 +50,7 @@ def configure(level: str = "info", fmt: str = "logfmt", stream=None) -> logging.
         root.removeHandler(old)
     root.addHandler(handler)
     root.setLevel(LEVELS.get(level, logging.INFO))
+    # watchdog logs every inotify event at debug: thousands of lines per checkpoint would
+    # bury the agent's own debug output.
+    logging.getLogger("watchdog").setLevel(max(root.level, logging.INFO))
     return handler
