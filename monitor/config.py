@@ -62,6 +62,7 @@ class Config:
     collision_max_paths: int = 10000
     log_level: str = "info"
     log_format: str = "logfmt"
+    size_tolerance: float = 0.01              # relative size difference that counts
     verify_enabled: bool = True
     verify_quiet: float = 2.0
     verify_deep_max_bytes: int = 256 * 1024 * 1024
@@ -263,6 +264,9 @@ OPTIONS = (
     Option("watch.patterns", "watch_patterns", _patterns,
            "file name patterns that count as checkpoints, comma-separated",
            lambda: ",".join(WATCH_PATTERNS)),
+    Option("size.tolerance", "size_tolerance", _number(float, 0),
+           "relative difference between finished sizes of one path (by different processes, "
+           "within the collision window) reported as a size fluctuation; 0.01 = 1%%"),
     Option("verify.enabled", "verify_enabled", _bool,
            "verify each checkpoint once its writers are done (true/false)",
            lambda: "true"),

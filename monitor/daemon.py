@@ -25,6 +25,7 @@ from monitor.fsmerge import SourceMerger
 from monitor.fssource import FILE_CHANGED, FILE_CLOSED, FsSource
 from monitor.ingest import IngestError, IngestServer
 from monitor.model import Collision, Write
+from monitor.sizes import SizeHistory
 from monitor.verifier import Verification, Verifier, VerifySchedule
 
 log = logging.getLogger("ckptwatch.agent")
@@ -95,8 +96,9 @@ class Checks:
 class Exporters:
     """Hands each detector output to every exporter; one failing exporter never stops another."""
 
-    def __init__(self, state: MetricsState, journal: Journal, checks: Checks | None = None):
-        self.state, self.journal, self.checks = state, journal, checks
+    def __init__(self, state: MetricsState, journal: Journal, checks: Checks | None = None,
+                 sizes: SizeHistory | None = None):
+        self.state, self.journal, self.checks, self.sizes = state, journal, checks, sizes
 
     def publish(self, items) -> None:
         for item in items:
@@ -112,6 +114,10 @@ class Exporters:
                 self.state.write_finished(item)
                 if self.checks is not None:
                     self.checks.write_finished(item)
+                if self.sizes is not None:
+                    finding = self.sizes.finished(item)
+                    if finding is not None:
+                        self.publish_finding(finding)
             if not self.journal.write(item):     # never raises; a lost line is counted
                 self.state.journal_error()
             if isinstance(item, Collision):
@@ -126,7 +132,11 @@ class Exporters:
             self.state.journal_error()
         who = ", ".join(f"{'rank%s' % w['rank'] if w.get('rank') is not None else 'pid'}"
                         f"({w['pid']})" for w in finding.get("writers", []))
-        if finding["type"] == "size_fluctuation":
+        if finding["type"] == "size_fluctuation" and finding.get("rule"):
+            log.warning("size fluctuation on %s: %s (%s then %s bytes) by %s", finding["path"],
+                        finding["rule"], finding.get("size_before"), finding.get("size_after"),
+                        who)
+        elif finding["type"] == "size_fluctuation":
             log.warning("size fluctuation on %s: shrank from %s to %s bytes while written by "
                         "%s", finding["path"], finding.get("size_before"),
                         finding.get("size_after"), who)
@@ -331,7 +341,10 @@ def run(config: Config, stop: threading.Event | None = None) -> int:
         except JournalError as exc:
             log.error("%s", exc.strerror)       # names the path and the reason
             return 1
-        pipeline.outputs = Exporters(state, journal, checks)
+        pipeline.outputs = Exporters(state, journal, checks,
+                                     SizeHistory(config.collision_window,
+                                                 config.size_tolerance,
+                                                 config.collision_max_paths))
         try:
             server.start()
         except OSError as exc:

@@ -179,7 +179,8 @@ for line in sys.stdin:
     elif cmd == "end":
         sock.sendall(events.encode({**base, "type": "end", "seq": seq, "wall": time.time(),
                                     "mono": time.monotonic(), "start_wall": started[0],
-                                    "start_mono": started[1], "bytes": 1234, "outcome": "ok"}))
+                                    "start_mono": started[1], "bytes": int(arg or 1234),
+                                    "outcome": "ok"}))
     elif cmd == "raw":
         sock.sendall(bytes.fromhex(arg))
     elif cmd == "close":
@@ -212,8 +213,8 @@ class EventSender:
     def start(self) -> None:
         self._do("start")
 
-    def end(self) -> None:
-        self._do("end")
+    def end(self, nbytes: int = 1234) -> None:
+        self._do(f"end {nbytes}")
 
     def raw(self, data: bytes) -> None:
         self._do("raw " + data.hex())

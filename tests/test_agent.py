@@ -291,3 +291,22 @@ def test_agent_verifies_finished_checkpoints_and_flags_a_torn_one(workdir, sockd
         assert agent.metric("ckptwatch_corrupt_checkpoints_total", reason="truncated") == 1
         assert agent.metric("ckptwatch_corrupt_checkpoints_total", reason="torn") == 0
     assert "corrupt checkpoint " + os.path.join(out, "torn.pt") in agent.log
+
+
+def test_different_processes_leaving_different_sizes_is_a_size_fluctuation(workdir):
+    path = "/ckpt/sizes/last.pt"
+    with start_agent(workdir, *FAST) as agent:
+        with EventSender(agent.socket, path, rank=0, job="sizes") as a, \
+                EventSender(agent.socket, path, rank=1, job="sizes") as b:
+            a.start()
+            a.end(1_000_000)
+            b.start()
+            b.end(700_000)          # one after the other: no overlap, but not the same file
+            wait_for(lambda: agent.metric("ckptwatch_size_fluctuations_total", job="sizes"),
+                     message="size fluctuation")
+        (f,) = wait_for(lambda: [r for r in agent.journal_records()
+                                 if r.get("type") == "size_fluctuation"],
+                        message="size fluctuation journal record")
+        assert (f["path"], f["size_before"], f["size_after"]) == (path, 1_000_000, 700_000)
+        assert [w["rank"] for w in f["writers"]] == [0, 1]
+    assert "size fluctuation on /ckpt/sizes/last.pt" in agent.log

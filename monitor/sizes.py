@@ -1,0 +1,49 @@
+"""Size fluctuation between finished writes: pure, injected times.
+
+design.md: "finished writes of the same path within the window differ in size". When ranks
+that should not all save do, each one's save ends with a different file size (each saw the
+file as the others left it). Only writes by *different* processes are compared: one process
+whose checkpoints change size (the first save before the optimizer has state, a growing
+replay buffer) is normal. The shrink-while-open rule lives in monitor.fswatch.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from monitor.model import Write
+
+FINDING = "size_fluctuation"
+
+
+class SizeHistory:
+    def __init__(self, window: float = 60.0, tolerance: float = 0.01, max_paths: int = 10000):
+        self.window = window
+        self.tolerance = tolerance
+        self.max_paths = max_paths
+        self._last: OrderedDict = OrderedDict()    # path -> (end_mono, bytes, Write)
+
+    def finished(self, write: Write) -> dict | None:
+        """Record a finished write; a finding dict if its size departs from the previous
+        finished write of the path by another process within the window."""
+        if write.outcome != "ok" or write.bytes is None or write.end_mono is None:
+            return None
+        previous = self._last.get(write.path)
+        self._last[write.path] = (write.end_mono, write.bytes, write)
+        self._last.move_to_end(write.path)
+        if len(self._last) > self.max_paths:
+            self._last.popitem(last=False)
+        if previous is None:
+            return None
+        end, size, before = previous
+        if before.writer.key == write.writer.key or write.end_mono - end > self.window:
+            return None
+        largest = max(size, write.bytes, 1)
+        if abs(size - write.bytes) / largest <= self.tolerance:
+            return None
+        jobs = sorted({before.writer.job_label, write.writer.job_label})
+        return {"v": 1, "type": FINDING, "source": write.source, "path": write.path,
+                "node": write.writer.node, "job": jobs[0] if len(jobs) == 1 else ",".join(jobs),
+                "rule": "finished sizes differ", "size_before": size,
+                "size_after": write.bytes, "wall": write.end_wall,
+                "writers": [{"pid": w.writer.pid, "rank": w.writer.rank, "node": w.writer.node,
+                             "bytes": w.bytes, "site": w.site} for w in (before, write)]}

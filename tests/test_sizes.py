@@ -1,0 +1,34 @@
+"""monitor.sizes: finished writes of one path by different processes that differ in size."""
+from monitor.model import Write, Writer
+from monitor.sizes import SizeHistory
+
+
+def w(pid, nbytes, end, path="/c/last.pt", outcome="ok"):
+    return Write(writer=Writer("n", pid, rank=pid - 10, job="j"), path=path, seq=1,
+                 start_wall=1000.0 + end - 0.1, start_mono=end - 0.1, end_wall=1000.0 + end,
+                 end_mono=end, bytes=nbytes, outcome=outcome)
+
+
+def test_different_processes_leaving_different_sizes_is_a_fluctuation():
+    h = SizeHistory(window=60, tolerance=0.01)
+    assert h.finished(w(10, 1000, 1.0)) is None
+    f = h.finished(w(11, 900, 1.2))
+    assert f["type"] == "size_fluctuation" and (f["size_before"], f["size_after"]) == (1000, 900)
+    assert [x["rank"] for x in f["writers"]] == [0, 1] and f["job"] == "j"
+
+
+def test_within_tolerance_same_process_outside_window_or_failed_saves_are_not():
+    h = SizeHistory(window=60, tolerance=0.01)
+    h.finished(w(10, 1000, 1.0))
+    assert h.finished(w(11, 995, 2.0)) is None            # 0.5 %: within tolerance
+    assert h.finished(w(11, 5000, 3.0)) is None           # same process: its own business
+    assert h.finished(w(12, 100, 100.0)) is None          # a minute later: another run's save
+    assert h.finished(w(13, 50, 100.5, outcome="OSError")) is None
+    assert h.finished(w(14, 100, 101.0, path="/c/other.pt")) is None
+
+
+def test_bounded():
+    h = SizeHistory(max_paths=5)
+    for i in range(50):
+        h.finished(w(10, 10, float(i), path=f"/c/{i}.pt"))
+    assert len(h._last) == 5
