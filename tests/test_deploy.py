@@ -131,6 +131,11 @@ def exported_names():
     state.collision(Collision(path="/c/x.pt", kind=KIND_CONCURRENT, writes=writes,
                               detected_wall=3.0))
     state.set_active_writes({"j": 1})
+    state.finding("size_fluctuation", "j")
+    state.finding("torn_read", "j")
+    state.set_fs_stats({"events_lost": 0, "fallbacks": 0, "attributions": 1,
+                        "attribution_seconds": 0.1, "attribution_errors": 0,
+                        "roots": {"/ckpt": {"mode": "inotify", "state": "watching"}}})
     names = {s.name for family in build_registry(state).collect() for s in family.samples}
     assert "ckptwatch_write_duration_seconds_bucket" in names
     return names
