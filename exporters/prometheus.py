@@ -252,26 +252,18 @@ class CkptwatchCollector:
         build.add_metric([__version__], 1)
         yield build
 
-        writes = CounterMetricFamily("ckptwatch_writes",
-                                     "Finished torch.save writes (any outcome); rank is "
-                                     "empty when unknown.", labels=["job", "rank"])
-        for (job, rank), n in sorted(s.writes.items()):
-            writes.add_metric([job, rank], n)
-        yield writes
+        yield _family(CounterMetricFamily, "ckptwatch_writes",
+                      "Finished torch.save writes (any outcome); rank is "
+                      "empty when unknown.",
+                      ["job", "rank"], s.writes)
 
-        errors = CounterMetricFamily("ckptwatch_write_errors",
-                                     "Finished torch.save writes whose save raised.",
-                                     labels=["job"])
-        for job, n in sorted(s.write_errors.items()):
-            errors.add_metric([job], n)
-        yield errors
+        yield _family(CounterMetricFamily, "ckptwatch_write_errors",
+                      "Finished torch.save writes whose save raised.",
+                      ["job"], s.write_errors)
 
-        nbytes = CounterMetricFamily("ckptwatch_write_bytes",
-                                     "Bytes on disk after finished torch.save writes.",
-                                     labels=["job"], unit="bytes")
-        for job, n in sorted(s.write_bytes.items()):
-            nbytes.add_metric([job], n)
-        yield nbytes
+        yield _family(CounterMetricFamily, "ckptwatch_write_bytes",
+                      "Bytes on disk after finished torch.save writes.",
+                      ["job"], s.write_bytes, unit="bytes")
 
         duration = HistogramMetricFamily("ckptwatch_write_duration_seconds",
                                          "Duration of finished torch.save writes.",
@@ -280,40 +272,29 @@ class CkptwatchCollector:
             duration.add_metric([job], list(h.buckets), sum_value=h.sum)
         yield duration
 
-        active = GaugeMetricFamily("ckptwatch_active_writes",
-                                   "torch.save writes in flight right now.", labels=["job"])
-        for job, n in sorted(s.active_writes.items()):
-            active.add_metric([job], n)
-        yield active
+        yield _family(GaugeMetricFamily, "ckptwatch_active_writes",
+                      "torch.save writes in flight right now.",
+                      ["job"], s.active_writes)
 
-        collisions = CounterMetricFamily("ckptwatch_collisions",
-                                         "Write collisions: kind is concurrent (overlapping "
-                                         "writes, corruption) or redundant (same job run, one "
-                                         "after another); source is hook when the hook saw "
-                                         "it (the filesystem may have too), fs when only the "
-                                         "filesystem watcher did.",
-                                         labels=["job", "kind", "scope", "source"])
-        for (job, kind, scope, source), n in sorted(s.collisions.items()):
-            collisions.add_metric([job, kind, scope, source], n)
-        yield collisions
+        yield _family(CounterMetricFamily, "ckptwatch_collisions",
+                      "Write collisions: kind is concurrent (overlapping "
+                      "writes, corruption) or redundant (same job run, one "
+                      "after another); source is hook when the hook saw "
+                      "it (the filesystem may have too), fs when only the "
+                      "filesystem watcher did.",
+                      ["job", "kind", "scope", "source"], s.collisions)
 
-        last = GaugeMetricFamily("ckptwatch_last_collision_timestamp_seconds",
-                                 "Unix time of the last collision detected for a job.",
-                                 labels=["job"], unit="seconds")
-        for job, t in sorted(s.last_collision.items()):
-            last.add_metric([job], t)
-        yield last
+        yield _family(GaugeMetricFamily, "ckptwatch_last_collision_timestamp_seconds",
+                      "Unix time of the last collision detected for a job.",
+                      ["job"], s.last_collision, unit="seconds")
 
         yield CounterMetricFamily("ckptwatch_events_received",
                                   "Valid events received from instrumented processes.",
                                   value=s.events_received)
 
-        rejected = CounterMetricFamily("ckptwatch_events_rejected",
-                                       "Inputs rejected by the agent's ingest, by reason.",
-                                       labels=["reason"])
-        for reason, n in sorted(s.events_rejected.items()):
-            rejected.add_metric([reason], n)
-        yield rejected
+        yield _family(CounterMetricFamily, "ckptwatch_events_rejected",
+                      "Inputs rejected by the agent's ingest, by reason.",
+                      ["reason"], s.events_rejected)
 
         yield CounterMetricFamily("ckptwatch_client_events_dropped",
                                   "Events instrumented processes dropped because their send "
@@ -332,39 +313,38 @@ class CkptwatchCollector:
                                 "Instrumented processes connected to the ingest socket.",
                                 value=s.ingest_connections)
 
-        fluct = CounterMetricFamily("ckptwatch_size_fluctuations",
-                                    "Checkpoints that shrank while two or more processes had "
-                                    "them open for writing (filesystem watcher).",
-                                    labels=["job"])
-        for job, n in sorted(s.fluctuations.items()):
-            fluct.add_metric([job], n)
-        yield fluct
+        yield _family(CounterMetricFamily, "ckptwatch_size_fluctuations",
+                      "Checkpoints that shrank while two or more processes had "
+                      "them open for writing (filesystem watcher).",
+                      ["job"], s.fluctuations)
 
-        torn = CounterMetricFamily("ckptwatch_torn_reads",
-                                   "Checkpoints opened for reading while another process was "
-                                   "writing them (filesystem watcher).", labels=["job"])
-        for job, n in sorted(s.torn_reads.items()):
-            torn.add_metric([job], n)
-        yield torn
+        yield _family(CounterMetricFamily, "ckptwatch_torn_reads",
+                      "Checkpoints opened for reading while another process was "
+                      "writing them (filesystem watcher).",
+                      ["job"], s.torn_reads)
 
         if s.fs:
             yield from _fs_families(s.fs)
 
-        verified = CounterMetricFamily("ckptwatch_checkpoint_verifications",
-                                       "Finished checkpoints verified, by result (ok, corrupt, "
-                                       "unverifiable, gone: renamed or deleted first).",
-                                       labels=["result"])
-        for result, n in sorted(s.verifications.items()):
-            verified.add_metric([result], n)
-        yield verified
+        yield _family(CounterMetricFamily, "ckptwatch_checkpoint_verifications",
+                      "Finished checkpoints verified, by result (ok, corrupt, "
+                      "unverifiable, gone: renamed or deleted first).",
+                      ["result"], s.verifications)
 
-        corrupt = CounterMetricFamily("ckptwatch_corrupt_checkpoints",
-                                      "Finished checkpoints that failed verification, by "
-                                      "reason (empty, truncated, torn, crc_mismatch, "
-                                      "inconsistent).", labels=["reason"])
-        for cause, n in sorted(s.corrupt.items()):
-            corrupt.add_metric([cause], n)
-        yield corrupt
+        yield _family(CounterMetricFamily, "ckptwatch_corrupt_checkpoints",
+                      "Finished checkpoints that failed verification, by "
+                      "reason (empty, truncated, torn, crc_mismatch, "
+                      "inconsistent).",
+                      ["reason"], s.corrupt)
+
+
+def _family(kind, name: str, doc: str, labels: list[str], values: Mapping, unit: str = ""):
+    """A labelled family from {label value or tuple of values: number}, sorted for stable
+    output. Single-label keys are plain strings."""
+    family = kind(name, doc, labels=labels, unit=unit)
+    for key, n in sorted(values.items()):
+        family.add_metric(list(key) if isinstance(key, tuple) else [key], n)
+    return family
 
 
 def collision_source(c: Collision) -> str:

@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass
 
 from monitor import integrity
+from monitor.report import human_bytes
 
 DEFAULT_PATTERNS = ("*.pt", "*.pth", "*.bin", "*.ckpt", "*.safetensors", "*.distcp")
 
@@ -191,16 +192,6 @@ def _run(args, out, err) -> int:
 
 # ---------------------------------------------------------------------------- formatting
 
-def human_bytes(n) -> str:
-    """33642737 -> '32.1MiB'; None -> '-'."""
-    if n is None:
-        return "-"
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if value < 1024 or unit == "TiB":
-            return f"{int(value)}B" if unit == "B" else f"{value:.1f}{unit}"
-        value /= 1024
-    return f"{value:.1f}TiB"
 
 
 def format_line(result: Result) -> str:
