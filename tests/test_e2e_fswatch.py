@@ -138,3 +138,43 @@ def test_polling_verifies_what_a_race_left_on_disk(watched):
     corrupt = [r for r in agent.journal_records()
                if r.get("type") == "verification" and r["path"] == path]
     assert [r["result"] for r in corrupt] == (["corrupt"] if truth == "corrupt" else [])
+
+
+WRITER = r"""
+import sys, time
+with open(sys.argv[1], "wb") as f:
+    f.write(b"x" * 4096); f.flush()
+    print("writing", flush=True)
+    time.sleep(4)
+"""
+READER = r"""
+import sys, time
+with open(sys.argv[1], "rb") as f:
+    f.read(); print("reading", flush=True)
+    time.sleep(2)
+"""
+
+
+def test_reading_a_checkpoint_while_another_process_writes_it_is_a_torn_read(watched):
+    agent, root, mode = watched
+    if mode == "polling":
+        pytest.skip("opens for reading are inotify events; polling sees content changes only")
+    path = os.path.join(root, "being-written.pt")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CKPTWATCH_")}
+    writer = subprocess.Popen([sys.executable, "-c", WRITER, path], stdout=subprocess.PIPE,
+                              text=True, env={**env, "RANK": "0", "CKPTWATCH_JOB": "torn"})
+    try:
+        assert writer.stdout.readline() == "writing\n"
+        time.sleep(0.3)                 # let the watcher attribute the writer first
+        reader = subprocess.run([sys.executable, "-c", READER, path], capture_output=True,
+                                text=True, env={**env, "CKPTWATCH_JOB": "eval"}, timeout=30)
+        assert reader.stdout == "reading\n"
+        wait_for(lambda: agent.metric("ckptwatch_torn_reads_total"), timeout=15,
+                 message="torn read counted")
+        (finding,) = wait_for(lambda: [r for r in agent.journal_records()
+                                       if r.get("type") == "torn_read"], timeout=10,
+                              message="torn read journaled")
+        assert finding["path"] == path and finding["writers"][0]["rank"] == 0
+    finally:
+        writer.kill()
+        writer.wait()
