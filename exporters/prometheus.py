@@ -315,7 +315,8 @@ class CkptwatchCollector:
 
         yield _family(CounterMetricFamily, "ckptwatch_size_fluctuations",
                       "Checkpoints that shrank while two or more processes had "
-                      "them open for writing (filesystem watcher).",
+                      "them open for writing (filesystem watcher), or whose finished "
+                      "writes by different processes left different sizes.",
                       ["job"], s.fluctuations)
 
         yield _family(CounterMetricFamily, "ckptwatch_torn_reads",
