@@ -3,7 +3,7 @@
 The watcher's callbacks run on watchdog's threads and must be quick, and attribution (which
 process has the file open, read from /proc) costs milliseconds and may wait a moment for a
 fresh fd to appear. So: the watcher only queues FsEvents; one attribution thread turns them
-into start/end events and findings (monitor.fswatch.attribute), and hands them to the core
+into start/end events and findings (monitor.fstracker.attribute), and hands them to the core
 loop as batches through `deliver`. The core loop owns the detector; nothing here touches it.
 """
 from __future__ import annotations
@@ -12,7 +12,7 @@ import logging
 import queue
 import threading
 
-from monitor import fswatch, procscan
+from monitor import fstracker, fswatch, procscan
 
 log = logging.getLogger("ckptwatch.fs")
 
@@ -27,7 +27,7 @@ class FsSource:
         self._deliver = deliver
         self._queue: queue.Queue = queue.Queue(maxsize=MAX_QUEUED)
         self.scanner = procscan.ProcScanner(node=node)
-        self.tracker = fswatch.WriteTracker(node=node)
+        self.tracker = fstracker.WriteTracker(node=node)
         self.watcher = fswatch.Watcher(roots, patterns, mode, poll_interval,
                                        on_event=self._enqueue,
                                        on_rescan=lambda root: self._enqueue(("rescan", root)))
@@ -79,10 +79,10 @@ class FsSource:
                 return
             try:
                 if isinstance(item, tuple) and item[0] == "rescan":
-                    out = fswatch.rescan(item[1], self.tracker, self.scanner,
+                    out = fstracker.rescan(item[1], self.tracker, self.scanner,
                                          self.watcher.matches)
                 else:
-                    out = fswatch.attribute(item, self.tracker, self.scanner)
+                    out = fstracker.attribute(item, self.tracker, self.scanner)
                     if item.kind == fswatch.CLOSED_WRITE:
                         # Whoever wrote it (attributed or not: under polling a short write
                         # is over before any scan), a finished file is due for verification.

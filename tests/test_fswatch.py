@@ -12,8 +12,9 @@ import threading
 import pytest
 
 from helpers import subprocess_env, wait_for
-from monitor import events, fswatch
-from monitor.fswatch import FsEvent, Watcher, WriteTracker
+from monitor import events, fstracker, fswatch
+from monitor.fstracker import WriteTracker
+from monitor.fswatch import FsEvent, Watcher
 from monitor.procscan import ProcScanner, ProcWriter
 
 MODES = ["inotify", "polling"]
@@ -300,7 +301,7 @@ def test_tracker_intervals_are_valid_hook_shaped_events():
     assert (end["type"], end["seq"], end["bytes"], end["outcome"]) == \
            ("end", start["seq"], 900, "ok")
     assert end["start_mono"] == start["mono"] and end["mono"] > start["mono"]
-    assert start["seq"] >= fswatch.FS_SEQ_BASE
+    assert start["seq"] >= fstracker.FS_SEQ_BASE
     assert t.writing("/c/a.pt") == []
 
 
@@ -395,7 +396,7 @@ print("saved", flush=True)
 
 
 class Pipeline:
-    """Watcher -> procscan -> WriteTracker, as the agent wires it (fswatch.attribute)."""
+    """Watcher -> procscan -> WriteTracker, as the agent wires it (fstracker.attribute)."""
 
     def __init__(self):
         self.tracker = WriteTracker(node="n1")
@@ -405,7 +406,7 @@ class Pipeline:
 
     def __call__(self, ev):
         with self.lock:
-            self.out.extend(fswatch.attribute(ev, self.tracker, self.scanner))
+            self.out.extend(fstracker.attribute(ev, self.tracker, self.scanner))
 
     def of_type(self, kind):
         with self.lock:
@@ -516,12 +517,12 @@ def test_attribute_looks_again_when_an_open_shows_nobody_new():
     t.observe(_ev("opened", "/c/a.pt", 0), [_proc(1)])
     scanner = _ScriptedScanner([_proc(1)], [_proc(1), _proc(2)])
     slept = []
-    out = fswatch.attribute(_ev("opened", "/c/a.pt", 0, 1), t, scanner, sleep=slept.append)
+    out = fstracker.attribute(_ev("opened", "/c/a.pt", 0, 1), t, scanner, sleep=slept.append)
     assert [e["type"] for e in out] == ["start", "fs_collision"]
-    assert slept == [fswatch.OPEN_RETRY_DELAY] and scanner.calls[0] == 1001.0
+    assert slept == [fstracker.OPEN_RETRY_DELAY] and scanner.calls[0] == 1001.0
     # A write reuses the scanner's rate-limited result; no retry.
     scanner = _ScriptedScanner([_proc(1), _proc(2)])
-    assert fswatch.attribute(_ev("modified", "/c/a.pt", 9, 2), t, scanner, sleep=slept.append) \
+    assert fstracker.attribute(_ev("modified", "/c/a.pt", 9, 2), t, scanner, sleep=slept.append) \
         == []
     assert scanner.calls == [None] and len(slept) == 1
 
@@ -538,7 +539,7 @@ def test_rescan_reconciles_writers_missed_and_closes_lost(tmp_path):
     try:
         _expect(holder, "ready")
         write(str(tmp_path / "notes.txt"))
-        out = fswatch.rescan(str(tmp_path), tracker, scanner,
+        out = fstracker.rescan(str(tmp_path), tracker, scanner,
                              Watcher([str(tmp_path)]).matches)
         assert sorted((e["type"], e["pid"], e["rank"], e["path"]) for e in out) == sorted(
             [("start", holder.pid, 2, missed), ("end", 999_999_999, 5, gone)])

@@ -1,0 +1,285 @@
+"""From filesystem events to writes: which process wrote which checkpoint, when.
+
+WriteTracker (pure, no threads) turns monitor.fswatch FsEvents plus procscan attributions
+(who holds the file open right after the event) into write intervals per (path, pid),
+emitted as hook-shaped "start"/"end" event dicts with "source": "fs", and into findings:
+fs_collision, size_fluctuation (a file shrinking under two writers), torn_read (a reader
+while another process writes). attribute() and rescan() are the glue the agent's
+attribution thread runs per event and after lost events.
+"""
+from __future__ import annotations
+
+import itertools
+import os
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field, replace
+from typing import Callable
+
+from monitor.events import SCHEMA_VERSION
+from monitor.fswatch import (CLOSED_NOWRITE, CLOSED_WRITE, CREATED, DELETED, MODIFIED, MOVED,
+                             OPENED, OVERFLOW, ROOT_LOST, SOURCE_FS, FsEvent, _size)
+
+
+# Finding types (not wire events: the agent consumes them directly).
+FS_COLLISION = "fs_collision"
+SIZE_FLUCTUATION = "size_fluctuation"
+TORN_READ = "torn_read"
+# fs writes get seq numbers far above any hook's per-process counter, so the detector's
+# (node, pid, seq) pairing never mixes an fs interval with a hook interval of the same pid.
+FS_SEQ_BASE = 1 << 48
+OUTCOME_DELETED = "deleted"
+OUTCOME_LOST = "lost"
+
+
+@dataclass
+class _Open:
+    proc: object           # procscan.ProcWriter
+    seq: int
+    start_mono: float
+    start_wall: float
+    path: str
+
+
+@dataclass
+class _PathState:
+    writers: dict = field(default_factory=dict)    # pid -> _Open
+    readers: dict = field(default_factory=dict)    # pid -> ProcWriter
+
+
+class WriteTracker:
+    """Pure: FsEvents + attributions -> write intervals and fs findings (see module doc).
+
+    observe(ev, holders) takes the event and, when the caller attributed it, `holders`: every
+    process holding ev's path open right after the event (procscan.ProcScanner.holders_of),
+    or None when not attributed. It returns a list of dicts:
+
+    - "start" / "end" events in the shape of monitor/events.py (validate() accepts them), one
+      interval per (path, pid) from the first attribution that shows the pid holding the path
+      for writing to the first one that does not (or the file's deletion), plus
+      "source": "fs". Times are those of the FsEvents, i.e. of the agent seeing them.
+    - fs_collision: a pid starts writing a path another pid is writing; lists all writers.
+    - size_fluctuation: the file shrank while two or more pids held it open for writing. A
+      shrink with at most one writer (a save truncating its own file as it starts) is
+      normal: it is only counted, in counts["truncations"]. The last size of every path
+      seen is kept (bounded by max_paths) so the first open of a new save compares
+      against the previous file.
+    - torn_read: a pid opened the path read-only while another pid was writing it.
+
+    Findings carry "v", "type", "source": "fs", "node", "path", "wall", "mono", "job" (the
+    metric label) and "writers" (identity dicts with mode, seq and start times).
+    """
+
+    def __init__(self, node: str = "", max_paths: int = 10000):
+        self._node = node
+        self._max_paths = max_paths
+        self._paths: dict[str, _PathState] = {}
+        self._sizes: OrderedDict[str, int] = OrderedDict()
+        self._seq = itertools.count(FS_SEQ_BASE)
+        self.counts = {FS_COLLISION: 0, SIZE_FLUCTUATION: 0, TORN_READ: 0, "starts": 0,
+                       "ends": 0, "truncations": 0}
+
+    def needs_attribution(self, ev: FsEvent) -> bool:
+        """Whether the caller should attribute `ev` (a procscan) before observe()."""
+        if ev.kind in (OPENED, CLOSED_WRITE, CLOSED_NOWRITE):
+            return True
+        # Also on every write: inotify reports an open from inside open(2), before the new fd
+        # is visible in /proc, so the scan for the open itself can miss the opener. The
+        # scanner's per-path rate limit keeps a stream of writes to a few scans.
+        return ev.kind in (CREATED, MODIFIED)
+
+    def holding(self, path: str) -> set:
+        """Pids currently tracked as writing or reading `path`."""
+        state = self._paths.get(path)
+        return set(state.writers) | set(state.readers) if state else set()
+
+    def paths_under(self, root: str) -> list[str]:
+        """Paths below `root` with a tracked writer or reader."""
+        prefix = root.rstrip(os.sep) + os.sep
+        return [p for p in self._paths if p.startswith(prefix)]
+
+    def writing(self, path: str) -> list[int]:
+        """Pids currently tracked as writing `path`."""
+        state = self._paths.get(path)
+        return sorted(state.writers) if state else []
+
+    def observe(self, ev: FsEvent, holders: list | None = None) -> list[dict]:
+        out: list[dict] = []
+        if ev.kind == ROOT_LOST:
+            prefix = ev.path.rstrip(os.sep) + os.sep
+            for path in [p for p in self._paths if p.startswith(prefix)]:
+                self._end_all(path, ev, OUTCOME_DELETED, out)
+            for path in [p for p in self._sizes if p.startswith(prefix)]:
+                del self._sizes[path]
+            return out
+        if ev.kind == DELETED:
+            self._end_all(ev.path, ev, OUTCOME_DELETED, out)
+            self._sizes.pop(ev.path, None)
+            return out
+        if ev.kind == MOVED and ev.dest:
+            self._sizes.pop(ev.path, None)
+            state = self._paths.pop(ev.path, None)
+            if state is not None:
+                self._end_all(ev.dest, ev, OUTCOME_DELETED, out)   # replaced by the rename
+                self._paths[ev.dest] = state
+        if ev.kind == OVERFLOW:
+            return out
+        path = ev.target
+        state = self._paths.get(path)
+        if holders is not None:
+            state = self._reconcile(path, state, holders, ev, out)
+        elif ev.kind == CLOSED_WRITE and state is not None and len(state.writers) == 1:
+            # Unattributed close with one known writer: it is the one that closed.
+            (pid,) = state.writers
+            self._end(path, state, pid, ev, "ok", out)
+        if ev.size is not None:
+            before = self._sizes.get(path)
+            if before is not None and ev.size < before:
+                if state is not None and len(state.writers) >= 2:
+                    finding = self._finding(SIZE_FLUCTUATION, path, state, ev)
+                    finding.update(size_before=before, size_after=ev.size)
+                    out.append(finding)
+                else:
+                    self.counts["truncations"] += 1
+            self._sizes[path] = ev.size
+            self._sizes.move_to_end(path)
+            if len(self._sizes) > self._max_paths:
+                self._sizes.popitem(last=False)
+        if state is not None and not state.writers and not state.readers:
+            del self._paths[path]
+        return out
+
+    # ------------------------------------------------------------------ internals
+
+    def _reconcile(self, path, state, holders, ev, out):
+        writers_now: dict = {}
+        for p in holders:
+            if p.writing:
+                writers_now.setdefault(p.pid, p)
+        readers_now: dict = {}
+        for p in holders:
+            if not p.writing and p.pid not in writers_now:
+                readers_now.setdefault(p.pid, p)
+        if state is None:
+            if not writers_now and not readers_now:
+                return None
+            state = self._new_state(path, ev, out)
+        for pid in [pid for pid in state.writers if pid not in writers_now]:
+            self._end(path, state, pid, ev, "ok", out)
+        for pid in [pid for pid in state.readers if pid not in readers_now]:
+            del state.readers[pid]
+        joined = False
+        for pid, proc in sorted(writers_now.items()):
+            if pid in state.writers:
+                continue
+            opened = _Open(proc, next(self._seq), ev.mono, ev.wall, path)
+            state.writers[pid] = opened
+            out.append(self._write_event("start", opened))
+            self.counts["starts"] += 1
+            joined = joined or len(state.writers) >= 2
+        if joined:
+            out.append(self._finding(FS_COLLISION, path, state, ev))
+        for pid, proc in sorted(readers_now.items()):
+            if pid in state.readers:
+                continue
+            state.readers[pid] = proc
+            if any(w != pid for w in state.writers):
+                finding = self._finding(TORN_READ, path, state, ev)
+                finding["reader"] = dict(proc.identity(), node=proc.node or self._node,
+                                         mode=proc.mode)
+                out.append(finding)
+        return state
+
+    def _new_state(self, path, ev, out) -> _PathState:
+        if len(self._paths) >= self._max_paths:
+            # Bounded memory: the least recently created path is given up, its writes lost.
+            oldest = next(iter(self._paths))
+            self._end_all(oldest, ev, OUTCOME_LOST, out)
+            self._paths.pop(oldest, None)
+        state = self._paths[path] = _PathState()
+        return state
+
+    def _end_all(self, path, ev, outcome, out) -> None:
+        state = self._paths.get(path)
+        if state is None:
+            return
+        for pid in list(state.writers):
+            self._end(path, state, pid, ev, outcome, out)
+        del self._paths[path]
+
+    def _end(self, path, state, pid, ev, outcome, out) -> None:
+        opened = state.writers.pop(pid)
+        size = ev.size if ev.size is not None and ev.target == opened.path else None
+        end = self._write_event("end", opened, ev.mono, ev.wall)
+        end.update(start_wall=opened.start_wall, start_mono=opened.start_mono, bytes=size,
+                   outcome=outcome)
+        out.append(end)
+        self.counts["ends"] += 1
+
+    def _identity(self, proc) -> dict:
+        ident = proc.identity()
+        ident["node"] = proc.node or self._node
+        return ident
+
+    def _write_event(self, kind, opened: _Open, mono=None, wall=None) -> dict:
+        event = {"v": SCHEMA_VERSION, "type": kind}
+        event.update(self._identity(opened.proc))
+        event.update(seq=opened.seq, path=opened.path, site=None, func=None,
+                     wall=opened.start_wall if wall is None else wall,
+                     mono=opened.start_mono if mono is None else mono, source=SOURCE_FS)
+        return event
+
+    def _finding(self, kind, path, state, ev) -> dict:
+        self.counts[kind] += 1
+        writers = []
+        for opened in sorted(state.writers.values(), key=lambda o: (o.start_mono, o.seq)):
+            w = self._identity(opened.proc)
+            w.update(mode=opened.proc.mode, seq=opened.seq, start_mono=opened.start_mono,
+                     start_wall=opened.start_wall)
+            writers.append(w)
+        jobs = sorted({w["job"] or "" for w in writers})
+        return {"v": SCHEMA_VERSION, "type": kind, "source": SOURCE_FS, "node": self._node,
+                "path": path, "wall": ev.wall, "mono": ev.mono,
+                "job": jobs[0] if len(jobs) == 1 else ",".join(j or "?" for j in jobs),
+                "writers": writers}
+
+
+# inotify's IN_OPEN is queued before open(2) installs the fd: if a scan right after an
+# "opened" event finds nobody new, look once more after this long.
+OPEN_RETRY_DELAY = 0.005
+
+
+def attribute(ev: FsEvent, tracker: WriteTracker, scanner,
+              sleep: Callable[[float], None] = time.sleep) -> list[dict]:
+    """The glue the agent runs per FsEvent: procscan when the tracker needs it, then track.
+
+    scanner: a procscan.ProcScanner. For opens and closes a result cached from before the
+    event is not reused; for writes the scanner's per-path rate limit applies. Runs on the
+    caller's thread and may sleep OPEN_RETRY_DELAY once per open.
+    """
+    holders = None
+    if tracker.needs_attribution(ev):
+        exact = ev.kind in (OPENED, CLOSED_WRITE, CLOSED_NOWRITE)
+        holders = scanner.holders_of(ev.target, changed_after=ev.mono if exact else None)
+        if ev.kind == OPENED and {p.pid for p in holders} <= tracker.holding(ev.target):
+            sleep(OPEN_RETRY_DELAY)
+            holders = scanner.holders_of(ev.target, changed_after=float("inf"))
+        # Size as of after the scan: a writer the scan no longer finds has finished, and its
+        # end event carries this size (the event's own stat may predate its last writes).
+        ev = replace(ev, size=_size(ev.target))
+    return tracker.observe(ev, holders)
+
+
+def rescan(root: str, tracker: WriteTracker, scanner, matches: Callable[[str], bool],
+           clock: Callable[[], float] = time.monotonic,
+           wall_clock: Callable[[], float] = time.time) -> list[dict]:
+    """Re-attribute everything below `root` after events may have been lost (Watcher's
+    on_rescan): one pass over the candidate processes' open files, then every path that is
+    held open now or was tracked is reconciled, as if it had just been modified: writers the
+    tracker missed start, writers whose close was lost end."""
+    held = scanner.holders_under(root, matches)
+    out: list[dict] = []
+    for path in sorted(set(held) | set(tracker.paths_under(root))):
+        ev = FsEvent(MODIFIED, path, _size(path), clock(), wall_clock())
+        out.extend(tracker.observe(ev, held.get(path, [])))
+    return out
