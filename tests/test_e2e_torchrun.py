@@ -9,13 +9,12 @@ import json
 import os
 import subprocess
 import sys
-import time
 import uuid
 
 import pytest
 
 from agentproc import start_agent
-from helpers import REPO_ROOT, remove_tree, short_tmpdir, wait_for
+from helpers import REPO_ROOT, remove_tree, short_tmpdir, wait_for, wait_past_settle
 
 torch = pytest.importorskip("torch")
 
@@ -24,9 +23,7 @@ SETTLE = 0.5
 
 
 def settle() -> None:
-    """Proving an absence needs a wait: several times the agent's settle time, after which a
-    collision, had there been one, would have been final and journaled."""
-    time.sleep(SETTLE * 4)
+    wait_past_settle(SETTLE)
 
 
 @pytest.fixture(scope="module")

@@ -11,13 +11,12 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 import uuid
 
 import pytest
 
 from agentproc import start_agent
-from helpers import REPO_ROOT, remove_tree, short_tmpdir, wait_for
+from helpers import REPO_ROOT, remove_tree, short_tmpdir, wait_for, wait_past_settle
 
 torch = pytest.importorskip("torch")
 
@@ -27,9 +26,7 @@ TORCHRUN = (sys.executable, "-m", "torch.distributed.run", "--standalone", "--np
 
 
 def settle() -> None:
-    """Proving an absence needs a wait: several times the agent's settle time, after which a
-    collision, had there been one, would have been final and journaled."""
-    time.sleep(SETTLE * 4)
+    wait_past_settle(SETTLE)
 
 
 @pytest.fixture(scope="module")
