@@ -16,6 +16,8 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from exporters.journal import default_journal_path
+from exporters.prometheus import parse_listen_address
 from monitor import paths
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -32,17 +34,6 @@ class ConfigError(Exception):
     def __init__(self, errors: list[str]):
         super().__init__("\n".join(errors))
         self.errors = list(errors)
-
-
-def default_journal_path() -> str:
-    """The journal exporter's default if it defines one, else a per-user state directory."""
-    try:
-        from exporters.journal import default_journal_path as journal_default
-        return journal_default()
-    except (ImportError, AttributeError):
-        state = os.environ.get("XDG_STATE_HOME") or os.path.join(
-            os.path.expanduser("~"), ".local", "state")
-        return os.path.join(state, "ckptwatch", "journal.jsonl")
 
 
 @dataclass
@@ -82,21 +73,10 @@ def _address(value: Any) -> str:
     if not isinstance(value, str) or not value:
         raise ValueError("expected [host]:port, e.g. :19400 or 127.0.0.1:19400")
     try:
-        from exporters.prometheus import parse_listen_address
-    except ImportError:
-        parse_listen_address = _parse_address_fallback
-    try:
         parse_listen_address(value)
     except Exception as exc:  # its own error type is its business; report the message
         raise ValueError(f"invalid listen address {value!r}: {exc}") from None
     return value
-
-
-def _parse_address_fallback(value: str) -> tuple[str, int]:
-    host, sep, port = value.rpartition(":")
-    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise ValueError("expected [host]:port with a port in 0-65535")
-    return host.strip("[]"), int(port)
 
 
 def _path(value: Any) -> str:
