@@ -134,7 +134,7 @@ def run(nproc: int = 4, keep: bool = False) -> int:
     try:
         _wait_healthy(url, agent)
         _say(f"\n[1/4] agent running: socket {sock}, metrics {url}/metrics")
-        _say(f"[2/4] buggy job: every rank calls torch.save(state, '.../buggy/last.pt')")
+        _say("[2/4] buggy job: every rank calls torch.save(state, '.../buggy/last.pt')")
         took = _run_job(workdir, sock, nproc, "every-rank", "buggy")
         _say(f"      finished in {took:.1f}s")
         _say("[3/4] fixed job: only global rank 0 saves (dist.get_rank() == 0)")

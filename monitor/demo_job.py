@@ -65,7 +65,7 @@ def save_checkpoint(state: dict, args, rank: int, local_rank: int) -> None:
 def main(argv=None) -> int:
     args = parse_args(argv)
     dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(args.width, args.width), nn.ReLU(),

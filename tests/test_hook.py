@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from helpers import REPO_ROOT, subprocess_env
+from helpers import subprocess_env
 from receiver import Receiver
 
 PY = sys.executable

@@ -1,7 +1,5 @@
 """monitor.verifier: when a path is verified (pure schedule) and what verifying says (real
 files, real worker thread)."""
-import os
-
 import pytest
 
 from helpers import wait_for
