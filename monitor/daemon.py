@@ -18,7 +18,7 @@ import psutil
 from exporters.journal import Journal, JournalError
 from exporters.logline import collision_message
 from exporters.prometheus import MetricsServer, MetricsState, build_registry
-from monitor import logformat
+from monitor import crc, logformat
 from monitor.config import Config
 from monitor.detector import Detector
 from monitor.fsmerge import SourceMerger
@@ -358,8 +358,9 @@ def run(config: Config, stop: threading.Event | None = None) -> int:
                 log.error("cannot watch %s: %s", ", ".join(config.watch_paths), exc)
                 return 1
         log.info("ckptwatch agent started: socket=%s metrics=%s (port %s) journal=%s "
-                 "watch=%s pid=%d", config.socket, config.listen_address, server.port,
-                 config.journal_path, ",".join(config.watch_paths) or "none", os.getpid())
+                 "watch=%s verify=%s pid=%d", config.socket, config.listen_address,
+                 server.port, config.journal_path, ",".join(config.watch_paths) or "none",
+                 f"on (crc32: {crc.BACKEND})" if config.verify_enabled else "off", os.getpid())
         checks.start()
         _loop(stop, inbox, pipeline, ingest, heartbeat)
         log.info("stopping")

@@ -22,7 +22,7 @@ import textwrap
 import time
 from dataclasses import dataclass
 
-from monitor import integrity
+from monitor import crc, integrity
 from monitor.report import human_bytes
 
 DEFAULT_PATTERNS = ("*.pt", "*.pth", "*.bin", "*.ckpt", "*.safetensors", "*.distcp")
@@ -208,8 +208,11 @@ def summary(results, elapsed: float, deep: bool) -> dict:
     counts = {integrity.OK: 0, integrity.CORRUPT: 0, integrity.UNVERIFIABLE: 0}
     for r in results:
         counts[r.verdict.status] = counts.get(r.verdict.status, 0) + 1
-    return {"files": len(results), "bytes": sum(r.size or 0 for r in results),
-            "seconds": round(elapsed, 3), "deep": deep, **counts}
+    out = {"files": len(results), "bytes": sum(r.size or 0 for r in results),
+           "seconds": round(elapsed, 3), "deep": deep, **counts}
+    if deep:
+        out["crc32"] = crc.BACKEND          # explains a slow deep scan (stdlib zlib)
+    return out
 
 
 def summary_line(results, elapsed: float, deep: bool, missing=()) -> str:

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import corpus
-from monitor import integrity
+from monitor import integrity, picklescan
 from monitor.integrity import CORRUPT, OK, UNVERIFIABLE, verify
 
 
@@ -319,7 +319,37 @@ def test_persistent_ids_are_found_without_unpickling():
     assert integrity._persistent_storages(pkl, "x") == {"0": ("ShortStorage", 7)}
     evil = b"cos\nsystem\n(S'touch /tmp/ckptwatch-pwned'\ntR."
     assert integrity._persistent_storages(evil, "x") == {}
+    assert picklescan._fast_storages(evil) == {}       # the C reader, not the fallback
     assert not os.path.exists("/tmp/ckptwatch-pwned")
+
+
+class _Custom:
+    def __init__(self):
+        self.t = torch.ones(3)
+
+
+def test_fast_reader_follows_every_construction_protocol_without_running_it(tmp_path):
+    """NEWOBJ (dataclass-like objects), BUILD with and without __setstate__, APPENDS/SETITEMS
+    on objects that are not lists/dicts, sets, OrderedDict: the C reader gets through all of
+    them with placeholders (no fallback), finds the storages inside, and imports nothing."""
+    import argparse
+    import collections
+    state = {"args": argparse.Namespace(lr=0.1, t=torch.zeros(2)),
+             "od": collections.OrderedDict(a=torch.ones(4, dtype=torch.float64)),
+             "tags": {"x", "y"}, "custom": _Custom(), "deque": collections.deque([1, 2])}
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    with zipfile.ZipFile(io.BytesIO(buf.getvalue())) as z:
+        pkl = z.read(next(n for n in z.namelist() if n.endswith("data.pkl")))
+    assert b"_Custom" in pkl
+    got = picklescan._fast_storages(pkl)
+    assert got == _reference_storages(pkl)
+    assert sorted(got.values()) == [("DoubleStorage", 4), ("FloatStorage", 2),
+                                    ("FloatStorage", 3)]
+    # A global naming a module that does not exist is not imported (the real unpickler would
+    # fail with ModuleNotFoundError).
+    ghost = pkl.replace(b"test_integrity", b"no_such_modul3", 1)
+    assert picklescan._fast_storages(ghost) == got
 
 
 def _reference_storages(data: bytes) -> dict:
@@ -383,6 +413,7 @@ def test_pickle_scanner_agrees_with_pickletools(clean):
     assert len(pickles) >= 15
     for data in pickles:
         assert integrity._persistent_storages(data, "x") == _reference_storages(data)
+        assert picklescan.scan_pickle(data) == _reference_storages(data)
     rng = random.Random(7)
     agreed = 0
     for _ in range(400):
