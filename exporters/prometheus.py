@@ -356,9 +356,11 @@ def collision_source(c: Collision) -> str:
 
 
 def _fs_families(fs: Mapping):
+    fan = fs.get("fanotify") or {}
     yield CounterMetricFamily("ckptwatch_fs_events_lost",
-                              "inotify queue overflows (events lost; a rescan follows).",
-                              value=fs.get("events_lost", 0))
+                              "inotify and fanotify queue overflows (events lost; a rescan "
+                              "follows).",
+                              value=fs.get("events_lost", 0) + fan.get("overflows", 0))
     yield CounterMetricFamily("ckptwatch_fs_watch_fallbacks",
                               "Watched roots that fell back from inotify to polling.",
                               value=fs.get("fallbacks", 0))
@@ -369,6 +371,20 @@ def _fs_families(fs: Mapping):
         up.add_metric([root, str(info.get("mode") or "")],
                       1 if info.get("state") == "watching" else 0)
     yield up
+    method = GaugeMetricFamily("ckptwatch_attribution_method",
+                               "1 for how writers of watched files are named: fanotify (the "
+                               "kernel names every writer) or proc (a /proc scan after each "
+                               "event; misses writes shorter than the scan).",
+                               labels=["method"])
+    method.add_metric([str(fs.get("attribution_method") or "proc")], 1)
+    yield method
+    events = CounterMetricFamily("ckptwatch_fanotify_events",
+                                 "fanotify events read, by whether they concern a watched "
+                                 "checkpoint (a mount mark also reports the mount's other "
+                                 "files).", labels=["relevant"])
+    events.add_metric(["true"], fan.get("relevant", 0))
+    events.add_metric(["false"], fan.get("unrelated", 0) + fan.get("unnamed", 0))
+    yield events
     yield CounterMetricFamily("ckptwatch_attributions",
                               "Process scans made to attribute a file write.",
                               value=fs.get("attributions", 0))

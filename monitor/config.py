@@ -22,6 +22,7 @@ from monitor import paths
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 WATCH_MODES = ("auto", "inotify", "polling")
+WATCH_ATTRIBUTIONS = ("auto", "fanotify", "proc")     # monitor.fssource.ATTRIBUTIONS
 # Which files count as checkpoints in watched directories (plus any path a hook event names).
 # Kept here, not imported from monitor.fswatch, so `--help` works without watchdog loaded.
 WATCH_PATTERNS = ("*.pt", "*.pth", "*.bin", "*.ckpt", "*.safetensors", "*.distcp")
@@ -63,6 +64,7 @@ class Config:
     watch_paths: list = field(default_factory=list)
     watch_mode: str = "auto"
     watch_poll_interval: float = 1.0
+    watch_attribution: str = "auto"
     watch_patterns: list = field(default_factory=lambda: list(WATCH_PATTERNS))
 
 
@@ -241,6 +243,11 @@ OPTIONS = (
            "filesystems: inotify cannot see other nodes' writes)"),
     Option("watch.poll-interval", "watch_poll_interval", _number(float, 0, strict=True),
            "seconds between polls in polling mode"),
+    Option("watch.attribution", "watch_attribution", _choice(WATCH_ATTRIBUTIONS),
+           "how writers of watched files are named: fanotify (the kernel names every "
+           "writer, even of a short save; needs CAP_SYS_ADMIN), proc (a /proc scan after "
+           "each event; misses writes shorter than the scan), or auto (fanotify where it "
+           "works, else proc)"),
     Option("watch.patterns", "watch_patterns", _patterns,
            "file name patterns that count as checkpoints, comma-separated",
            lambda: ",".join(WATCH_PATTERNS)),

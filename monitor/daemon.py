@@ -323,7 +323,8 @@ def run(config: Config, stop: threading.Event | None = None) -> int:
                               window=config.collision_window,
                               max_paths=config.collision_max_paths)
         fs = FsSource(config.watch_paths, config.watch_patterns, config.watch_mode,
-                      config.watch_poll_interval, config.node, pipeline.fs_inbox.put)
+                      config.watch_poll_interval, config.node, pipeline.fs_inbox.put,
+                      attribution=config.watch_attribution)
         pipeline.merger, pipeline.fs = merger, fs
     server = MetricsServer(config.listen_address, build_registry(state),
                            health=health_check(ingest, heartbeat, fs))
@@ -358,8 +359,9 @@ def run(config: Config, stop: threading.Event | None = None) -> int:
                 log.error("cannot watch %s: %s", ", ".join(config.watch_paths), exc)
                 return 1
         log.info("ckptwatch agent started: socket=%s metrics=%s (port %s) journal=%s "
-                 "watch=%s verify=%s pid=%d", config.socket, config.listen_address,
-                 server.port, config.journal_path, ",".join(config.watch_paths) or "none",
+                 "watch=%s attribution=%s verify=%s pid=%d", config.socket,
+                 config.listen_address, server.port, config.journal_path,
+                 ",".join(config.watch_paths) or "none", fs.attribution if fs else "none",
                  f"on (crc32: {crc.BACKEND})" if config.verify_enabled else "off", os.getpid())
         checks.start()
         _loop(stop, inbox, pipeline, ingest, heartbeat)

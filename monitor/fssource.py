@@ -12,7 +12,7 @@ import logging
 import queue
 import threading
 
-from monitor import fstracker, fswatch, procscan
+from monitor import fanotify, fstracker, fswatch, procscan
 
 log = logging.getLogger("ckptwatch.fs")
 
@@ -21,22 +21,55 @@ FILE_CLOSED = "file_closed" # delivered for every finished write: verify the fil
 FILE_CHANGED = "file_changed"  # delivered once per write in progress: not yet
 
 
+ATTRIBUTIONS = ("auto", "fanotify", "proc")
+
+
 class FsSource:
+    """attribution: how writers are named. "fanotify": the kernel names the pid of every
+    open, write and close (monitor.fanotify; needs CAP_SYS_ADMIN); "proc": a /proc scan
+    right after each inotify event (misses writes shorter than the scan); "auto": fanotify
+    where it works, else proc (logged). Readers (torn reads) always come from /proc."""
+
     def __init__(self, roots, patterns, mode: str, poll_interval: float, node: str,
-                 deliver):
+                 deliver, attribution: str = "auto"):
+        if attribution not in ATTRIBUTIONS:
+            raise ValueError(f"attribution must be one of {', '.join(ATTRIBUTIONS)}")
         self._deliver = deliver
         self._queue: queue.Queue = queue.Queue(maxsize=MAX_QUEUED)
+        self._roots = list(roots)
+        self._asked = attribution
         self.scanner = procscan.ProcScanner(node=node)
-        self.tracker = fstracker.WriteTracker(node=node)
         self.watcher = fswatch.Watcher(roots, patterns, mode, poll_interval,
                                        on_event=self._enqueue,
                                        on_rescan=lambda root: self._enqueue(("rescan", root)))
+        self.fan: fanotify.FanotifyWatcher | None = None
+        self.attribution = "proc"
+        if attribution != "proc":
+            # Decided in start(): fanotify unless the kernel or our privileges refuse it.
+            self.fan = fanotify.FanotifyWatcher(roots, self.watcher.matches,
+                                                on_event=self._enqueue,
+                                                on_overflow=self._rescan_all)
+            self.attribution = "fanotify"
+        self.tracker = fstracker.WriteTracker(node=node,
+                                              exact_writers=self.fan is not None)
+        self.exact = fstracker.ExactAttribution(self.tracker, self.scanner.describe)
         self._thread: threading.Thread | None = None
         self.dropped_total = 0
         self.errors_total = 0
         self._changing: set = set()   # paths modified since their last close (thread-local use)
 
     def start(self) -> None:
+        if self.fan is not None:
+            try:
+                self.fan.start()
+            except OSError as exc:
+                if self._asked == "fanotify":
+                    raise OSError(exc.errno, f"--watch.attribution fanotify: "
+                                             f"{fanotify.why(exc)}") from None
+                log.info("writers are attributed from /proc (fanotify: %s); writes shorter "
+                         "than a scan stay anonymous", fanotify.why(exc))
+                self.fan, self.attribution = None, "proc"
+                self.tracker.exact_writers = False
         self.watcher.start()
         self._thread = threading.Thread(target=self._run, name="ckptwatch-fs-attribution",
                                         daemon=True)
@@ -44,6 +77,8 @@ class FsSource:
 
     def stop(self) -> None:
         self.watcher.stop()
+        if self.fan is not None:
+            self.fan.stop()
         if self._thread is not None:
             self._queue.put(None)
             self._thread.join(timeout=10)
@@ -64,7 +99,12 @@ class FsSource:
                 "roots": watched["roots"], "attributions": scans["scans"],
                 "attribution_seconds": scans["total_seconds"],
                 "attribution_errors": scans["errors"], "dropped": self.dropped_total,
-                "errors": self.errors_total}
+                "errors": self.errors_total, "attribution_method": self.attribution,
+                "fanotify": self.fan.stats() if self.fan is not None else {}}
+
+    def _rescan_all(self) -> None:
+        for root in self._roots:
+            self._enqueue(("rescan", root))
 
     def _enqueue(self, item) -> None:
         try:
@@ -78,7 +118,9 @@ class FsSource:
             if item is None:
                 return
             try:
-                if isinstance(item, tuple) and item[0] == "rescan":
+                if isinstance(item, fanotify.FanEvent):
+                    out = self.exact.observe(item)
+                elif isinstance(item, tuple) and item[0] == "rescan":
                     out = fstracker.rescan(item[1], self.tracker, self.scanner,
                                          self.watcher.matches)
                 else:

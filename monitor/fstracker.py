@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from monitor.events import SCHEMA_VERSION
+from monitor.fanotify import FAN_CLOSE_NOWRITE, FAN_CLOSE_WRITE, FAN_MODIFY, FAN_OPEN
 from monitor.fswatch import (CLOSED_NOWRITE, CLOSED_WRITE, CREATED, DELETED, MODIFIED, MOVED,
                              OPENED, OVERFLOW, ROOT_LOST, SOURCE_FS, FsEvent, _size)
 
@@ -70,9 +71,12 @@ class WriteTracker:
     metric label) and "writers" (identity dicts with mode, seq and start times).
     """
 
-    def __init__(self, node: str = "", max_paths: int = 10000):
+    def __init__(self, node: str = "", max_paths: int = 10000, exact_writers: bool = False):
         self._node = node
         self._max_paths = max_paths
+        # exact_writers: writers are told by the kernel (fanotify, via write_started /
+        # write_ended); /proc scans then only track readers, except in a rescan.
+        self.exact_writers = exact_writers
         self._paths: dict[str, _PathState] = {}
         self._sizes: OrderedDict[str, int] = OrderedDict()
         self._seq = itertools.count(FS_SEQ_BASE)
@@ -81,6 +85,8 @@ class WriteTracker:
 
     def needs_attribution(self, ev: FsEvent) -> bool:
         """Whether the caller should attribute `ev` (a procscan) before observe()."""
+        if self.exact_writers:
+            return ev.kind in (OPENED, CLOSED_NOWRITE)      # readers, for torn reads
         if ev.kind in (OPENED, CLOSED_WRITE, CLOSED_NOWRITE):
             return True
         # Also on every write: inotify reports an open from inside open(2), before the new fd
@@ -103,7 +109,43 @@ class WriteTracker:
         state = self._paths.get(path)
         return sorted(state.writers) if state else []
 
-    def observe(self, ev: FsEvent, holders: list | None = None) -> list[dict]:
+    def write_started(self, path: str, proc, mono: float, wall: float) -> list[dict]:
+        """`proc` (a procscan.ProcWriter) began writing `path` at mono/wall: known exactly
+        (fanotify), not inferred from a scan. A start event, and a collision finding when
+        another process is writing the path too."""
+        out: list[dict] = []
+        state = self._paths.get(path)
+        if state is not None and proc.pid in state.writers:
+            return out
+        if state is None:
+            state = self._new_state(path, FsEvent(OPENED, path, None, mono, wall), out)
+        opened = _Open(proc, next(self._seq), mono, wall, path)
+        state.writers[proc.pid] = opened
+        out.append(self._write_event("start", opened))
+        self.counts["starts"] += 1
+        if len(state.writers) >= 2:
+            out.append(self._finding(FS_COLLISION, path, state,
+                                     FsEvent(OPENED, path, None, mono, wall)))
+        return out
+
+    def write_ended(self, path: str, pid: int, mono: float, wall: float,
+                    size: int | None) -> list[dict]:
+        """`pid` closed `path` after writing it (fanotify's CLOSE_WRITE)."""
+        out: list[dict] = []
+        state = self._paths.get(path)
+        if state is None or pid not in state.writers:
+            return out
+        self._end(path, state, pid, FsEvent(CLOSED_WRITE, path, size, mono, wall), "ok", out)
+        if not state.writers and not state.readers:
+            del self._paths[path]
+        return out
+
+    def observe(self, ev: FsEvent, holders: list | None = None,
+                reconcile_writers: bool | None = None) -> list[dict]:
+        """reconcile_writers: whether `holders` also decide who writes (default: unless
+        writers are exact; a rescan after lost events passes True)."""
+        if reconcile_writers is None:
+            reconcile_writers = not self.exact_writers
         out: list[dict] = []
         if ev.kind == ROOT_LOST:
             prefix = ev.path.rstrip(os.sep) + os.sep
@@ -127,8 +169,9 @@ class WriteTracker:
         path = ev.target
         state = self._paths.get(path)
         if holders is not None:
-            state = self._reconcile(path, state, holders, ev, out)
-        elif ev.kind == CLOSED_WRITE and state is not None and len(state.writers) == 1:
+            state = self._reconcile(path, state, holders, ev, out, reconcile_writers)
+        elif ev.kind == CLOSED_WRITE and state is not None and len(state.writers) == 1 and \
+                not self.exact_writers:
             # Unattributed close with one known writer: it is the one that closed.
             (pid,) = state.writers
             self._end(path, state, pid, ev, "ok", out)
@@ -151,11 +194,14 @@ class WriteTracker:
 
     # ------------------------------------------------------------------ internals
 
-    def _reconcile(self, path, state, holders, ev, out):
+    def _reconcile(self, path, state, holders, ev, out, reconcile_writers=True):
         writers_now: dict = {}
-        for p in holders:
-            if p.writing:
-                writers_now.setdefault(p.pid, p)
+        if reconcile_writers:
+            for p in holders:
+                if p.writing:
+                    writers_now.setdefault(p.pid, p)
+        elif state is not None:
+            writers_now = {pid: o.proc for pid, o in state.writers.items()}
         readers_now: dict = {}
         for p in holders:
             if not p.writing and p.pid not in writers_now:
@@ -270,6 +316,51 @@ def attribute(ev: FsEvent, tracker: WriteTracker, scanner,
     return tracker.observe(ev, holders)
 
 
+class ExactAttribution:
+    """fanotify events (monitor.fanotify.FanEvent: the pid is in the event) -> the
+    tracker's write intervals, with no /proc scan and no race against short writes.
+
+    A write starts at the pid's open of the path as the kernel reported it, else at its
+    first modification; it ends at its CLOSE_WRITE. When the kernel merged the open with the
+    writes (the agent read the queue after the save had begun writing), all we know is that
+    the open came after the previous read: the start is taken as that time (ev.since). Two
+    such writes of one path by different processes in one read therefore overlap: reported
+    as concurrent even when they might have followed each other by microseconds (either way
+    two processes wrote one path, unguarded). An open followed by CLOSE_NOWRITE was a read
+    and is forgotten. `describe(pid, mode)` gives the writer's identity
+    (procscan.ProcScanner.describe).
+    """
+
+    def __init__(self, tracker: WriteTracker, describe: Callable, max_pending: int = 10000):
+        self.tracker = tracker
+        self._describe = describe
+        self._max_pending = max_pending
+        self._pending: OrderedDict = OrderedDict()      # (pid, path) -> (mono, wall) of open
+
+    def observe(self, ev) -> list[dict]:
+        key = (ev.pid, ev.path)
+        out: list[dict] = []
+        if ev.mask & FAN_OPEN:
+            self._pending[key] = (ev.mono, ev.wall)
+            self._pending.move_to_end(key)
+            if len(self._pending) > self._max_pending:
+                self._pending.popitem(last=False)
+        if ev.mask & (FAN_MODIFY | FAN_CLOSE_WRITE) and \
+                ev.pid not in self.tracker.writing(ev.path):
+            if ev.mask & FAN_OPEN:                      # merged: opened after ev.since
+                self._pending.pop(key, None)
+                mono, wall = ev.since, ev.since_wall
+            else:
+                mono, wall = self._pending.pop(key, (ev.mono, ev.wall))
+            out += self.tracker.write_started(ev.path, self._describe(ev.pid, "w"), mono, wall)
+        if ev.mask & FAN_CLOSE_WRITE:
+            self._pending.pop(key, None)
+            out += self.tracker.write_ended(ev.path, ev.pid, ev.mono, ev.wall, _size(ev.path))
+        elif ev.mask & FAN_CLOSE_NOWRITE:
+            self._pending.pop(key, None)
+        return out
+
+
 def rescan(root: str, tracker: WriteTracker, scanner, matches: Callable[[str], bool],
            clock: Callable[[], float] = time.monotonic,
            wall_clock: Callable[[], float] = time.time) -> list[dict]:
@@ -281,5 +372,7 @@ def rescan(root: str, tracker: WriteTracker, scanner, matches: Callable[[str], b
     out: list[dict] = []
     for path in sorted(set(held) | set(tracker.paths_under(root))):
         ev = FsEvent(MODIFIED, path, _size(path), clock(), wall_clock())
-        out.extend(tracker.observe(ev, held.get(path, [])))
+        # Lost events may include a writer's close even when writers are exact: here the
+        # scan decides who writes.
+        out.extend(tracker.observe(ev, held.get(path, []), reconcile_writers=True))
     return out

@@ -195,6 +195,23 @@ class ProcScanner:
                     self._results.pop(next(iter(self._results)))
             return list(found)
 
+    def describe(self, pid: int, mode: str) -> ProcWriter:
+        """A ProcWriter for a pid the caller already knows holds a file (fanotify told it):
+        its identity from its environment (cached), or only the pid if it is gone or hidden."""
+        with self._lock:
+            proc = _process(pid)
+            try:
+                if proc is None:
+                    raise psutil.NoSuchProcess(pid)
+                return _holder(pid, mode, None, self._identity(proc))
+            except psutil.NoSuchProcess:
+                self._stats["vanished"] += 1
+            except psutil.AccessDenied:
+                self._stats["denied"] += 1
+            except Exception:
+                self._stats["errors"] += 1
+            return ProcWriter(pid=pid, mode=mode, node=self.node)
+
     def writers_of(self, path: str, candidates: Iterable | None = None,
                    changed_after: float | None = None) -> list[ProcWriter]:
         """Processes holding `path` open with a write mode (one entry per process)."""

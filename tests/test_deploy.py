@@ -446,7 +446,7 @@ def test_dockerfile():
     by_kind: dict[str, list[str]] = {}
     for kind, arg in instructions:
         by_kind.setdefault(kind, []).append(arg)
-    assert any("pip install ." in r for r in by_kind["RUN"])
+    assert any("pip install '.[fast]'" in r for r in by_kind["RUN"])
     user = by_kind["USER"][-1]
     assert user.split(":")[0] not in ("root", "0")
     assert by_kind["EXPOSE"] == ["19400"]

@@ -20,17 +20,46 @@ pytest.importorskip("watchdog")
 NPROC = 4
 
 
-@pytest.fixture(params=["inotify", "polling"])
+def _fanotify_unusable() -> str:
+    from monitor import fanotify
+    ok, why = fanotify.available()
+    if ok:
+        try:
+            fan = fanotify.Fanotify()
+            try:
+                fan.mark_mount("/tmp")
+            finally:
+                fan.close()
+        except OSError as exc:
+            why = fanotify.why(exc)
+    return why if why else ""
+
+
+# (observer mode, attribution): how the agent sees files change x how it names writers.
+SETUPS = [("inotify", "fanotify"), ("inotify", "proc"), ("polling", "fanotify"),
+          ("polling", "proc")]
+
+
+@pytest.fixture(params=SETUPS, ids=["-".join(s) for s in SETUPS])
 def watched(request):
-    """(agent, watched directory, mode) for each observer mode."""
+    """(agent, watched directory, mode, attribution) for each setup."""
+    mode, attribution = request.param
+    if attribution == "fanotify" and (why := _fanotify_unusable()):
+        pytest.skip(f"fanotify: {why}")
     workdir = short_tmpdir("cwf")
     root = os.path.join(workdir, "ckpt")
     os.makedirs(root)
     with start_agent(workdir, "--collision.settle", "1.0", "--watch.path", root,
-                     "--watch.mode", request.param, "--watch.poll-interval", "0.2",
-                     "--verify.quiet", "0.5") as agent:
-        yield agent, root, request.param
+                     "--watch.mode", mode, "--watch.poll-interval", "0.2",
+                     "--watch.attribution", attribution, "--verify.quiet", "0.5") as agent:
+        yield agent, root, mode, attribution
     remove_tree(workdir)
+
+
+def _short_saves_anonymous(mode, attribution):
+    if mode == "polling" and attribution == "proc":
+        pytest.skip("polling sees a file change between polls, not who had it open: a save "
+                    "shorter than a poll is over before a /proc scan (fanotify names it)")
 
 
 def torchrun(out: str, mode: str, *, hook_socket: str | None = None) -> str:
@@ -54,21 +83,24 @@ def collisions(agent, path):
 
 
 def test_every_rank_saving_is_a_collision_seen_by_the_filesystem_alone(watched):
-    agent, root, mode = watched
-    if mode == "polling":
-        pytest.skip("polling sees a file change between polls, not who had it open: a save "
-                    "shorter than a poll is over before a scan; see the polling test below")
+    agent, root, mode, attribution = watched
+    _short_saves_anonymous(mode, attribution)
     out = os.path.join(root, "every")
     job = torchrun(out, "every-rank")
     path = os.path.join(out, "last.pt")
     found = wait_for(lambda: collisions(agent, path), timeout=30, message="fs collision")
     time.sleep(2.0)
     found = collisions(agent, path)
-    # Usually one collision. The watcher times a write by when it observed the open and the
-    # close, so under load a late-attributed writer can fall outside the first group and
-    # form a second one; every one of them is a real overlap of different processes.
-    assert 1 <= len(found) <= 2, found
     writers = [w for c in found for w in c["writers"]]
+    if attribution == "fanotify":
+        # The kernel names every writer, in order: one collision, all four ranks.
+        assert len(found) == 1, found
+        assert sorted(w["rank"] for w in writers) == [0, 1, 2, 3]
+    else:
+        # Usually one collision. /proc attribution times a write by when it observed the
+        # open and the close, so under load a late-attributed writer can fall outside the
+        # first group and form a second one; each is a real overlap of different processes.
+        assert 1 <= len(found) <= 2, found
     assert all(c["kind"] == "concurrent" and c["sources"] == ["fs"] for c in found)
     assert all(len({w["pid"] for w in c["writers"]}) >= 2 for c in found)
     # Attribution read RANK and the job id from each writer's environment.
@@ -81,7 +113,7 @@ def test_every_rank_saving_is_a_collision_seen_by_the_filesystem_alone(watched):
 
 
 def test_rank0_alone_is_not_a_collision_for_the_filesystem_either(watched):
-    agent, root, mode = watched
+    agent, root, mode, attribution = watched
     out = os.path.join(root, "rank0")
     torchrun(out, "rank0")
     path = os.path.join(out, "last.pt")
@@ -89,7 +121,7 @@ def test_rank0_alone_is_not_a_collision_for_the_filesystem_either(watched):
     # mtime are stable; a save this short is over before a scan can attribute it).
     wait_for(lambda: agent.metric("ckptwatch_checkpoint_verifications_total", result="ok"),
              timeout=30, message="the watcher saw the finished checkpoint")
-    if mode == "inotify":
+    if mode == "inotify" or attribution == "fanotify":
         (w,) = [r for r in agent.journal_records()
                 if r.get("type") == "write" and r["path"] == path]
         assert (w["rank"], w["source"]) == (0, "fs")
@@ -99,9 +131,8 @@ def test_rank0_alone_is_not_a_collision_for_the_filesystem_either(watched):
 
 
 def test_with_the_hook_too_one_collision_names_both_sources(watched):
-    agent, root, mode = watched
-    if mode == "polling":
-        pytest.skip("polling cannot attribute writes shorter than a poll (see above)")
+    agent, root, mode, attribution = watched
+    _short_saves_anonymous(mode, attribution)
     out = os.path.join(root, "both")
     torchrun(out, "every-rank", hook_socket=agent.socket)
     path = os.path.join(out, "last.pt")
@@ -125,7 +156,7 @@ def test_with_the_hook_too_one_collision_names_both_sources(watched):
 def test_polling_verifies_what_a_race_left_on_disk(watched):
     """The network-filesystem mode: no opens or closes, only size/mtime between polls. It
     still finds the finished file and verifies it, so a torn checkpoint is flagged."""
-    agent, root, mode = watched
+    agent, root, mode, attribution = watched
     if mode != "polling":
         pytest.skip("the polling mode's guarantee")
     from monitor.integrity import verify
@@ -156,7 +187,7 @@ with open(sys.argv[1], "rb") as f:
 
 
 def test_reading_a_checkpoint_while_another_process_writes_it_is_a_torn_read(watched):
-    agent, root, mode = watched
+    agent, root, mode, attribution = watched
     if mode == "polling":
         pytest.skip("opens for reading are inotify events; polling sees content changes only")
     path = os.path.join(root, "being-written.pt")
@@ -175,6 +206,40 @@ def test_reading_a_checkpoint_while_another_process_writes_it_is_a_torn_read(wat
                                        if r.get("type") == "torn_read"], timeout=10,
                               message="torn read journaled")
         assert finding["path"] == path and finding["writers"][0]["rank"] == 0
+    finally:
+        writer.kill()
+        writer.wait()
+
+
+BLINK = r"""
+import sys
+with open(sys.argv[1], "r+b") as f:        # in place, no truncation: a few microseconds
+    f.write(b"y" * 100)
+print("done", flush=True)
+"""
+
+
+def test_a_write_shorter_than_any_scan_is_still_named(watched):
+    """What /proc attribution cannot do: a second process writes the checkpoint for a few
+    microseconds while the first holds it open. fanotify names both, under polling too."""
+    agent, root, mode, attribution = watched
+    if attribution != "fanotify":
+        pytest.skip("a /proc scan cannot see a write that is over before it runs")
+    path = os.path.join(root, "blink.pt")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CKPTWATCH_")}
+    writer = subprocess.Popen([sys.executable, "-c", WRITER, path], stdout=subprocess.PIPE,
+                              text=True, env={**env, "RANK": "0", "CKPTWATCH_JOB": "blink"})
+    try:
+        assert writer.stdout.readline() == "writing\n"
+        blink = subprocess.run([sys.executable, "-c", BLINK, path], capture_output=True,
+                               text=True, env={**env, "RANK": "1", "CKPTWATCH_JOB": "blink"},
+                               timeout=30)
+        assert blink.stdout == "done\n", blink.stderr
+        writer.wait(timeout=30)
+        (c,) = wait_for(lambda: collisions(agent, path), timeout=15, message="collision")
+        assert c["kind"] == "concurrent" and c["sources"] == ["fs"]
+        assert sorted((w["rank"], w["job"]) for w in c["writers"]) == \
+               [(0, "blink"), (1, "blink")]
     finally:
         writer.kill()
         writer.wait()

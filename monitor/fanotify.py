@@ -1,0 +1,301 @@
+"""Who writes a checkpoint, told by the kernel itself: fanotify (Linux, CAP_SYS_ADMIN).
+
+inotify (monitor.fswatch) says *that* a file was opened, written or closed, never by whom;
+a /proc scan (monitor.procscan) answers "who" after the fact and misses a write shorter than
+the scan, which under polling is every ordinary save. A fanotify event carries the pid of the
+process that opened, modified or closed the file, queued by the kernel in the order things
+happened, so even a save of a few microseconds is attributed, in either observer mode (for
+this node's processes: no local mechanism sees other NFS clients).
+
+This module only reads events. monitor.fstracker.ExactAttribution turns them into write
+intervals; the structure (create, delete, rename, root lost) still comes from fswatch.
+
+Marks: one mount mark (FAN_MARK_MOUNT) per mount holding a watched root. A mount mark covers
+every file below, directories created later included, with no per-directory bookkeeping; the
+price is that events for other files on the same mount are read and dropped (counted in
+stats()["unrelated"]), which on a busy shared mount costs the agent a few us per event.
+`--watch.attribution proc` turns this off.
+
+Events asked for: FAN_OPEN, FAN_MODIFY, FAN_CLOSE_WRITE, FAN_CLOSE_NOWRITE. The kernel merges
+a new event into a queued, unread one of the same file and pid (open, writes and close of a
+short save can arrive as one event), keeping the place of the first. So each event also
+carries `since`, a time before which nothing it reports happened: the later of when the
+previous read began and WAKE_SLACK before the reader woke. A merged write lies within
+[since, read time]. A full queue
+(16384 events by default) is reported as FAN_Q_OVERFLOW: counted, and the caller rescans.
+"""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import errno
+import logging
+import os
+import select
+import struct
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+log = logging.getLogger("ckptwatch.fanotify")
+
+# <linux/fanotify.h>
+FAN_MODIFY = 0x00000002
+FAN_CLOSE_WRITE = 0x00000008
+FAN_CLOSE_NOWRITE = 0x00000010
+FAN_OPEN = 0x00000020
+FAN_Q_OVERFLOW = 0x00004000
+FAN_CLOEXEC = 0x00000001
+FAN_NONBLOCK = 0x00000002
+FAN_CLASS_NOTIF = 0x00000000
+FAN_MARK_ADD = 0x00000001
+FAN_MARK_MOUNT = 0x00000010
+FAN_NOFD = -1
+FANOTIFY_METADATA_VERSION = 3
+MASK = FAN_OPEN | FAN_MODIFY | FAN_CLOSE_WRITE | FAN_CLOSE_NOWRITE
+
+# struct fanotify_event_metadata: event_len, vers, reserved, metadata_len, mask, fd, pid
+_META = struct.Struct("=IBBHQii")
+_AT_FDCWD = -100
+_READ_SIZE = 256 * _META.size            # ~1,000 events per read(2)
+_DELETED = " (deleted)"
+# How late the reader thread may wake after the first event of a read was queued (GIL and
+# scheduler delays): the bound on how early a merged event's open may lie before the wakeup.
+WAKE_SLACK = 0.05
+
+
+@dataclass(frozen=True)
+class FanEvent:
+    """One kernel event for a file below a watched root: `mask` may combine several kinds
+    (merged events); mono/wall are when the agent read it, mono strictly increasing in the
+    kernel's queue order."""
+
+    mask: int
+    pid: int
+    path: str
+    mono: float
+    wall: float
+    since: float = 0.0          # monotonic: what the event reports happened after this
+    since_wall: float = 0.0
+
+
+class _Libc:
+    def __init__(self):
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+        self.init = libc.fanotify_init
+        self.init.argtypes = [ctypes.c_uint, ctypes.c_uint]
+        self.init.restype = ctypes.c_int
+        self.mark = libc.fanotify_mark
+        self.mark.argtypes = [ctypes.c_int, ctypes.c_uint, ctypes.c_uint64, ctypes.c_int,
+                              ctypes.c_char_p]
+        self.mark.restype = ctypes.c_int
+
+
+_libc: _Libc | None = None
+
+
+def _lib() -> _Libc:
+    global _libc
+    if _libc is None:
+        _libc = _Libc()
+    return _libc
+
+
+class Fanotify:
+    """A notification-class fanotify group: open, mark, read. Raises OSError (EPERM without
+    CAP_SYS_ADMIN, ENOSYS/EINVAL where the kernel lacks it)."""
+
+    def __init__(self):
+        try:
+            lib = _lib()
+        except (OSError, AttributeError) as exc:    # no libc symbol: not Linux
+            raise OSError(errno.ENOSYS, f"fanotify is not available: {exc}") from None
+        fd = lib.init(FAN_CLASS_NOTIF | FAN_CLOEXEC | FAN_NONBLOCK,
+                      os.O_RDONLY | getattr(os, "O_LARGEFILE", 0) | os.O_CLOEXEC)
+        if fd < 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"fanotify_init: {os.strerror(err)}")
+        self.fd = fd
+
+    def mark_mount(self, path: str, mask: int = MASK) -> None:
+        r = _lib().mark(self.fd, FAN_MARK_ADD | FAN_MARK_MOUNT, mask, _AT_FDCWD,
+                        os.fsencode(path))
+        if r < 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"fanotify_mark {path}: {os.strerror(err)}")
+
+    def read(self) -> list[tuple[int, int, str | None]]:
+        """(mask, pid, path) of the events queued now (path None for an overflow or a file
+        that could not be named); [] when none are."""
+        try:
+            buf = os.read(self.fd, _READ_SIZE)
+        except BlockingIOError:
+            return []
+        out, pos = [], 0
+        while pos + _META.size <= len(buf):
+            event_len, vers, _, meta_len, mask, fd, pid = _META.unpack_from(buf, pos)
+            if event_len < _META.size or vers != FANOTIFY_METADATA_VERSION:
+                break                                   # a kernel ABI we do not know
+            pos += event_len
+            path = None
+            if fd >= 0:
+                try:
+                    path = os.readlink(f"/proc/self/fd/{fd}")
+                except OSError:
+                    pass
+                finally:
+                    os.close(fd)
+                if path and path.endswith(_DELETED):
+                    path = path[:-len(_DELETED)]
+            out.append((mask, pid, path))
+        return out
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def available() -> tuple[bool, str]:
+    """(usable here, why not): tries to create a group. Marking can still fail (a mount
+    mark needs CAP_SYS_ADMIN in the initial user namespace): FanotifyWatcher.start raises."""
+    try:
+        Fanotify().close()
+    except OSError as exc:
+        return False, why(exc)
+    return True, ""
+
+
+def why(exc: OSError) -> str:
+    if exc.errno == errno.EPERM:
+        return "fanotify needs CAP_SYS_ADMIN (run the agent privileged or as root)"
+    return str(exc.strerror or exc)
+
+
+class FanotifyWatcher:
+    """Reads fanotify events for files below `roots` that `matches` accepts, on its own
+    thread, and hands them to `on_event` (FanEvent). An overflow calls `on_overflow()`.
+
+    Events of `exclude_pids` (default: this agent: its verifier reads checkpoints) and of
+    files outside the roots are dropped and counted.
+    """
+
+    def __init__(self, roots: Iterable[str], matches: Callable[[str], bool],
+                 on_event: Callable[[FanEvent], None], on_overflow: Callable[[], None],
+                 exclude_pids: Iterable[int] | None = None):
+        self._roots = sorted({os.path.realpath(r).rstrip(os.sep) or os.sep for r in roots})
+        self._prefixes = tuple(r if r == os.sep else r + os.sep for r in self._roots)
+        self._matches = matches
+        self._on_event = on_event
+        self._on_overflow = on_overflow
+        self._exclude = set(exclude_pids) if exclude_pids is not None else {os.getpid()}
+        self._fan: Fanotify | None = None
+        self._thread: threading.Thread | None = None
+        self._wake_r, self._wake_w = -1, -1
+        self._last_mono = 0.0
+        self._read_at = 0.0            # monotonic time the previous read began
+        self._stats = {"events": 0, "relevant": 0, "unrelated": 0, "overflows": 0,
+                       "unnamed": 0, "mounts": 0}
+
+    def start(self) -> None:
+        """Creates the group and marks the mounts; raises OSError when it cannot."""
+        fan = Fanotify()
+        try:
+            marked = set()
+            for root in self._roots:
+                anchor = _existing_ancestor(root)
+                mount = _mount_point(anchor)
+                if mount in marked:
+                    continue
+                fan.mark_mount(anchor)
+                marked.add(mount)
+        except OSError:
+            fan.close()
+            raise
+        self._stats["mounts"] = len(marked)
+        self._fan = fan
+        self._read_at = time.monotonic()          # nothing is queued before this
+        self._wake_r, self._wake_w = os.pipe()
+        self._thread = threading.Thread(target=self._run, name="ckptwatch-fanotify",
+                                        daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        if self._thread is not None:
+            os.write(self._wake_w, b"x")
+            self._thread.join(timeout=5)
+            self._thread = None
+        for fd in (self._wake_r, self._wake_w):
+            if fd >= 0:
+                os.close(fd)
+        self._wake_r = self._wake_w = -1
+        if self._fan is not None:
+            self._fan.close()
+            self._fan = None
+
+    def stats(self) -> dict:
+        return dict(self._stats)
+
+    def relevant(self, path: str) -> bool:
+        return path.startswith(self._prefixes) and self._matches(path)
+
+    def _run(self) -> None:
+        fan = self._fan
+        while True:
+            try:
+                ready, _, _ = select.select([fan.fd, self._wake_r], [], [])
+            except InterruptedError:
+                continue
+            if self._wake_r in ready:
+                return
+            # Every event in this read was created after the previous read began, and (the
+            # thread being idle in select) no earlier than WAKE_SLACK before select woke us:
+            # an idle hour must not stretch a merged write over that hour.
+            now, now_wall = time.monotonic(), time.time()
+            since = max(self._read_at, now - WAKE_SLACK)
+            self._read_at = now
+            try:
+                self._handle(fan.read(), since, now_wall - (now - since))
+            except Exception:                 # never let one odd event end observation
+                log.exception("fanotify event handling failed")
+
+    def _handle(self, events, since: float = 0.0, since_wall: float = 0.0) -> None:
+        for mask, pid, path in events:
+            # When read, made strictly increasing in queue order: one read(2) returns many
+            # events, and the queue's order is what tells whether two writes overlapped.
+            mono = self._last_mono = max(time.monotonic(), self._last_mono + 1e-6)
+            wall = time.time()
+            self._stats["events"] += 1
+            if mask & FAN_Q_OVERFLOW:
+                self._stats["overflows"] += 1
+                log.warning("fanotify queue overflow: events were lost; rescanning")
+                self._on_overflow()
+                continue
+            if path is None:
+                self._stats["unnamed"] += 1
+                continue
+            if pid in self._exclude or not self.relevant(path):
+                self._stats["unrelated"] += 1
+                continue
+            self._stats["relevant"] += 1
+            self._on_event(FanEvent(mask, pid, path, mono, wall, since, since_wall))
+
+
+def _existing_ancestor(path: str) -> str:
+    while not os.path.exists(path):
+        parent = os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    return path
+
+
+def _mount_point(path: str) -> str:
+    path = os.path.realpath(path)
+    while not os.path.ismount(path):
+        parent = os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    return path

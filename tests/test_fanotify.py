@@ -1,0 +1,259 @@
+"""fanotify attribution: the kernel interface against the real kernel (skipped where the
+agent could not use it either: no CAP_SYS_ADMIN), and ExactAttribution + the tracker's
+exact-writers mode as pure logic."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+
+import pytest
+
+from helpers import wait_for
+from monitor import events, fanotify
+from monitor.fanotify import (FAN_CLOSE_NOWRITE, FAN_CLOSE_WRITE, FAN_MODIFY, FAN_OPEN,
+                              FanEvent, FanotifyWatcher)
+from monitor.fstracker import ExactAttribution, WriteTracker
+from monitor.fswatch import FsEvent
+from monitor.procscan import ProcScanner, ProcWriter
+
+
+def _usable() -> str:
+    """'' when this process can mark mounts, else why not."""
+    ok, why = fanotify.available()
+    if not ok:
+        return why
+    try:
+        fan = fanotify.Fanotify()
+        try:
+            fan.mark_mount("/tmp")
+        finally:
+            fan.close()
+    except OSError as exc:
+        return fanotify.why(exc)
+    return ""
+
+
+WHY_NOT = _usable()
+needs_fanotify = pytest.mark.skipif(bool(WHY_NOT), reason=f"fanotify: {WHY_NOT}")
+
+
+# --------------------------------------------------------------------- the real kernel
+
+class _Collect:
+    def __init__(self):
+        self.events: list[FanEvent] = []
+        self.overflows = 0
+        self.lock = threading.Lock()
+
+    def event(self, ev):
+        with self.lock:
+            self.events.append(ev)
+
+    def overflow(self):
+        self.overflows += 1
+
+    def of(self, path):
+        with self.lock:
+            return [e for e in self.events if e.path == path]
+
+
+@pytest.fixture
+def fan_watch(tmp_path):
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    got = _Collect()
+    w = FanotifyWatcher([str(root)], lambda p: p.endswith(".pt"), got.event, got.overflow)
+    w.start()
+    yield w, str(os.path.realpath(root)), got
+    w.stop()
+
+
+WRITE_ONCE = "import sys; open(sys.argv[1], 'wb').write(b'x' * 100)"
+
+
+@needs_fanotify
+def test_a_write_of_microseconds_is_named_with_its_pid(fan_watch):
+    w, root, got = fan_watch
+    path = os.path.join(root, "sub", "a.pt")
+    os.makedirs(os.path.dirname(path))            # a directory made after the mark: covered
+    child = subprocess.run([sys.executable, "-c", WRITE_ONCE, path], timeout=30)
+    assert child.returncode == 0
+    evs = wait_for(lambda: [e for e in got.of(path) if e.mask & FAN_CLOSE_WRITE], timeout=5,
+                   message="close_write")
+    mine = got.of(path)
+    # The child's pid, not ours (the parent never touched the file).
+    assert {e.pid for e in mine} == {e.pid for e in evs} and os.getpid() not in \
+        {e.pid for e in mine}
+    masks = 0
+    for e in mine:
+        masks |= e.mask
+    assert masks & FAN_OPEN and masks & FAN_CLOSE_WRITE
+    assert [e.mono for e in mine] == sorted(e.mono for e in mine)     # queue order
+
+
+@needs_fanotify
+def test_other_files_and_this_agents_own_reads_are_dropped(fan_watch, tmp_path):
+    w, root, got = fan_watch
+    outside = tmp_path / "elsewhere.pt"          # same mount, outside the root
+    subprocess.run([sys.executable, "-c", WRITE_ONCE, str(outside)], check=True, timeout=30)
+    not_ckpt = os.path.join(root, "notes.txt")   # inside, but not a checkpoint name
+    subprocess.run([sys.executable, "-c", WRITE_ONCE, not_ckpt], check=True, timeout=30)
+    mine = os.path.join(root, "mine.pt")
+    with open(mine, "wb") as f:                  # the agent's own pid (its verifier reads)
+        f.write(b"y")
+    marker = os.path.join(root, "marker.pt")
+    subprocess.run([sys.executable, "-c", WRITE_ONCE, marker], check=True, timeout=30)
+    wait_for(lambda: got.of(marker), timeout=5, message="marker event")
+    assert got.of(str(outside)) == [] and got.of(not_ckpt) == [] and got.of(mine) == []
+    assert w.stats()["unrelated"] > 0 and w.stats()["relevant"] >= 1
+
+
+@needs_fanotify
+def test_the_kernel_reports_a_queue_overflow(tmp_path):
+    """More than max_queued_events unread: the kernel queues FAN_Q_OVERFLOW, and the
+    watcher turns it into on_overflow (the agent rescans)."""
+    fan = fanotify.Fanotify()
+    try:
+        fan.mark_mount(str(tmp_path))
+        with open("/proc/sys/fs/fanotify/max_queued_events") as f:
+            limit = int(f.read())
+        # Events of one file and pid merge while unread (open, write and close become one
+        # event), so distinct files, one event each.
+        for i in range(limit + 100):
+            with open(tmp_path / f"p{i}.pt", "wb") as f:
+                f.write(b"z")
+        masks = []
+        while batch := fan.read():
+            masks += [m for m, _, _ in batch]
+        assert len(masks) <= limit + 1
+        assert any(m & fanotify.FAN_Q_OVERFLOW for m in masks)
+    finally:
+        fan.close()
+    got = _Collect()
+    w = FanotifyWatcher([str(tmp_path)], lambda p: True, got.event, got.overflow)
+    w._handle([(fanotify.FAN_Q_OVERFLOW, -1, None)])
+    assert got.overflows == 1 and w.stats()["overflows"] == 1
+
+
+def test_without_privilege_start_raises_a_clear_error(monkeypatch):
+    class Denied:
+        def __init__(self):
+            raise OSError(1, "fanotify_init: Operation not permitted")
+    monkeypatch.setattr(fanotify, "Fanotify", Denied)
+    w = FanotifyWatcher(["/tmp"], lambda p: True, lambda e: None, lambda: None)
+    with pytest.raises(OSError) as info:
+        w.start()
+    assert "CAP_SYS_ADMIN" in fanotify.why(info.value)
+
+
+# --------------------------------------------------------------------- pure logic
+
+def _fe(mask, pid, t, path="/c/a.pt"):
+    return FanEvent(mask, pid, path, 1000.0 + t, 1.7e9 + t)
+
+
+def _describe(pid, mode):
+    return ProcWriter(pid=pid, mode=mode, rank=pid % 10, job="j", node="n1")
+
+
+def _exact():
+    tracker = WriteTracker(node="n1", exact_writers=True)
+    return tracker, ExactAttribution(tracker, _describe)
+
+
+def test_merged_events_keep_the_overlap_the_opens_show():
+    """A opens, B opens, then the kernel delivers A's writes and close merged into one
+    event, and B's too: the writes started at the opens, so they overlap."""
+    tracker, exact = _exact()
+    out = exact.observe(_fe(FAN_OPEN, 1, 0))
+    out += exact.observe(_fe(FAN_OPEN, 2, 1))
+    out += exact.observe(_fe(FAN_MODIFY | FAN_CLOSE_WRITE, 1, 2))
+    out += exact.observe(_fe(FAN_MODIFY | FAN_CLOSE_WRITE, 2, 3))
+    for e in out:
+        assert events.validate(e) is e and e["source"] == "fs"
+    spans = {}
+    for e in out:
+        spans.setdefault(e["pid"], {})[e["type"]] = e["mono"]
+    assert spans == {1: {"start": 1000.0, "end": 1002.0}, 2: {"start": 1001.0, "end": 1003.0}}
+    assert tracker.writing("/c/a.pt") == []
+
+
+def test_a_whole_write_merged_into_one_event_spans_from_the_previous_read():
+    """The agent read too late to see the opens apart: each save arrives as one event
+    (open+modify+close). All that is known is that both happened after `since`: the writes
+    are taken to span [since, read], so two of them overlap."""
+    tracker, exact = _exact()
+    whole = FAN_OPEN | FAN_MODIFY | FAN_CLOSE_WRITE
+    out = exact.observe(FanEvent(whole, 1, "/c/a.pt", 1005.0, 1.7e9 + 5, 1004.0, 1.7e9 + 4))
+    out += exact.observe(FanEvent(whole, 2, "/c/a.pt", 1005.1, 1.7e9 + 5.1, 1004.0,
+                                  1.7e9 + 4))
+    spans = {(e["pid"], e["type"]): e["mono"] for e in out}
+    assert spans == {(1, "start"): 1004.0, (1, "end"): 1005.0,
+                     (2, "start"): 1004.0, (2, "end"): 1005.1}
+    assert spans[(2, "start")] < spans[(1, "end")]
+
+
+def test_live_writers_are_a_collision_when_the_second_joins():
+    tracker, exact = _exact()
+    exact.observe(_fe(FAN_OPEN, 1, 0))
+    exact.observe(_fe(FAN_MODIFY, 1, 0.1))
+    out = exact.observe(_fe(FAN_MODIFY, 2, 0.2))          # no open seen: starts now
+    assert [e["type"] for e in out] == ["start", "fs_collision"]
+    assert out[0]["mono"] == 1000.2
+    assert [w["pid"] for w in out[1]["writers"]] == [1, 2]
+    assert [w["rank"] for w in out[1]["writers"]] == [1, 2]
+    # More writes of a known writer change nothing; its close ends it.
+    assert exact.observe(_fe(FAN_MODIFY, 1, 0.3)) == []
+    (end,) = exact.observe(_fe(FAN_CLOSE_WRITE, 1, 0.4))
+    assert (end["type"], end["pid"], end["outcome"]) == ("end", 1, "ok")
+
+
+def test_reads_are_not_writes_and_an_empty_write_open_is():
+    tracker, exact = _exact()
+    assert exact.observe(_fe(FAN_OPEN, 3, 0)) == []
+    assert exact.observe(_fe(FAN_CLOSE_NOWRITE, 3, 1)) == []
+    assert tracker.writing("/c/a.pt") == []
+    # Opened for writing, nothing written (O_TRUNC of an empty file): still a write.
+    exact.observe(_fe(FAN_OPEN, 4, 2))
+    out = exact.observe(_fe(FAN_CLOSE_WRITE, 4, 3))
+    assert [(e["type"], e["mono"]) for e in out] == [("start", 1002.0), ("end", 1003.0)]
+
+
+def test_exact_mode_scans_only_decide_readers():
+    """/proc scans (inotify opens) keep finding readers for torn reads, but neither start
+    nor end writers: the kernel's account of writers is not overruled by a late scan."""
+    tracker, exact = _exact()
+    exact.observe(_fe(FAN_MODIFY, 1, 0))
+    assert tracker.needs_attribution(FsEvent("opened", "/c/a.pt", 0, 1000.1, 0.0))
+    assert not tracker.needs_attribution(FsEvent("modified", "/c/a.pt", 0, 1000.1, 0.0))
+    assert not tracker.needs_attribution(FsEvent("closed_write", "/c/a.pt", 0, 1000.1, 0.0))
+    reader = ProcWriter(pid=9, mode="r", job="eval", node="n1")
+    stray = ProcWriter(pid=7, mode="w", node="n1")        # a writer only the scan shows
+    out = tracker.observe(FsEvent("opened", "/c/a.pt", 10, 1000.2, 0.0), [reader, stray])
+    assert [e["type"] for e in out] == ["torn_read"]
+    assert tracker.writing("/c/a.pt") == [1]
+    # An unattributed inotify close does not end the only writer on a guess.
+    assert tracker.observe(FsEvent("closed_write", "/c/a.pt", 10, 1000.3, 0.0)) == []
+    assert tracker.writing("/c/a.pt") == [1]
+    # A rescan after lost events does decide writers.
+    out = tracker.observe(FsEvent("modified", "/c/a.pt", 10, 1000.4, 0.0), [],
+                          reconcile_writers=True)
+    assert [(e["type"], e["pid"]) for e in out] == [("end", 1)]
+
+
+def test_describe_reads_a_live_process_and_survives_a_gone_one():
+    scanner = ProcScanner(node="n9")
+    env = {**os.environ, "RANK": "3", "LOCAL_RANK": "1", "TORCHELASTIC_RUN_ID": "jobx"}
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"], env=env)
+    try:
+        me = wait_for(lambda: (lambda p: p if p.rank == 3 else None)(
+            scanner.describe(child.pid, "w")), timeout=5, message="environment readable")
+        assert (me.pid, me.mode, me.rank, me.local_rank, me.job) == \
+               (child.pid, "w", 3, 1, "jobx")
+    finally:
+        child.kill()
+        child.wait()
+    gone = scanner.describe(child.pid, "w")
+    assert (gone.pid, gone.rank, gone.node) == (child.pid, None, "n9")
