@@ -174,19 +174,20 @@ def why(exc: OSError) -> str:
 
 
 class FanotifyWatcher:
-    """Reads fanotify events for files below `roots` that `matches` accepts, on its own
-    thread, and hands them to `on_event` (FanEvent). An overflow calls `on_overflow()`.
+    """Reads fanotify events for files below `roots`, on its own thread, and hands them to
+    `on_event` (FanEvent). An overflow calls `on_overflow()`. Every file below a root is
+    passed on, not only checkpoint names: the temporary file of an atomic save is renamed
+    into place, and its writer is the checkpoint's.
 
     Events of `exclude_pids` (default: this agent: its verifier reads checkpoints) and of
     files outside the roots are dropped and counted.
     """
 
-    def __init__(self, roots: Iterable[str], matches: Callable[[str], bool],
+    def __init__(self, roots: Iterable[str],
                  on_event: Callable[[FanEvent], None], on_overflow: Callable[[], None],
                  exclude_pids: Iterable[int] | None = None):
         self._roots = sorted({os.path.realpath(r).rstrip(os.sep) or os.sep for r in roots})
         self._prefixes = tuple(r if r == os.sep else r + os.sep for r in self._roots)
-        self._matches = matches
         self._on_event = on_event
         self._on_overflow = on_overflow
         self._exclude = set(exclude_pids) if exclude_pids is not None else {os.getpid()}
@@ -238,7 +239,7 @@ class FanotifyWatcher:
         return dict(self._stats)
 
     def relevant(self, path: str) -> bool:
-        return path.startswith(self._prefixes) and self._matches(path)
+        return path.startswith(self._prefixes)
 
     def _run(self) -> None:
         fan = self._fan

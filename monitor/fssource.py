@@ -46,13 +46,13 @@ class FsSource:
         self.attribution = "proc"
         if attribution != "proc":
             # Decided in start(): fanotify unless the kernel or our privileges refuse it.
-            self.fan = fanotify.FanotifyWatcher(roots, self.watcher.matches,
-                                                on_event=self._enqueue,
+            self.fan = fanotify.FanotifyWatcher(roots, on_event=self._enqueue,
                                                 on_overflow=self._rescan_all)
             self.attribution = "fanotify"
         self.tracker = fstracker.WriteTracker(node=node,
                                               exact_writers=self.fan is not None)
-        self.exact = fstracker.ExactAttribution(self.tracker, self.scanner.describe)
+        self.exact = fstracker.ExactAttribution(self.tracker, self.scanner.describe,
+                                                self.watcher.matches)
         self._thread: threading.Thread | None = None
         self.dropped_total = 0
         self.errors_total = 0

@@ -79,9 +79,13 @@ class WriteTracker:
         self.exact_writers = exact_writers
         self._paths: dict[str, _PathState] = {}
         self._sizes: OrderedDict[str, int] = OrderedDict()
+        # path -> (writer, end mono) of its last finished write: who wrote a file that is
+        # then renamed into place (an atomic save) is who wrote the destination.
+        self._last_writes: OrderedDict[str, tuple] = OrderedDict()
+        self._pending_renames: OrderedDict[str, FsEvent] = OrderedDict()   # src -> MOVED
         self._seq = itertools.count(FS_SEQ_BASE)
         self.counts = {FS_COLLISION: 0, SIZE_FLUCTUATION: 0, TORN_READ: 0, "starts": 0,
-                       "ends": 0, "truncations": 0}
+                       "ends": 0, "truncations": 0, "renames": 0}
 
     def needs_attribution(self, ev: FsEvent) -> bool:
         """Whether the caller should attribute `ev` (a procscan) before observe()."""
@@ -140,6 +144,21 @@ class WriteTracker:
             del self._paths[path]
         return out
 
+    def note_write(self, path: str, proc, end_mono: float) -> list[dict]:
+        """A finished write of a file that is not tracked as a checkpoint (a temporary file
+        of an atomic save): remembered only so its rename into place can be attributed.
+        Returns that attribution when the rename was seen first (fanotify and inotify are
+        two queues: the rename can overtake the close that precedes it)."""
+        self._last_writes[path] = (proc, end_mono)
+        self._last_writes.move_to_end(path)
+        if len(self._last_writes) > self._max_paths:
+            self._last_writes.popitem(last=False)
+        out: list[dict] = []
+        moved = self._pending_renames.pop(path, None)
+        if moved is not None:
+            self._renamed_into_place(moved, out)
+        return out
+
     def observe(self, ev: FsEvent, holders: list | None = None,
                 reconcile_writers: bool | None = None) -> list[dict]:
         """reconcile_writers: whether `holders` also decide who writes (default: unless
@@ -164,6 +183,8 @@ class WriteTracker:
             if state is not None:
                 self._end_all(ev.dest, ev, OUTCOME_DELETED, out)   # replaced by the rename
                 self._paths[ev.dest] = state
+            else:
+                self._renamed_into_place(ev, out)
         if ev.kind == OVERFLOW:
             return out
         path = ev.target
@@ -236,6 +257,33 @@ class WriteTracker:
                 out.append(finding)
         return state
 
+    def _renamed_into_place(self, ev: FsEvent, out: list) -> None:
+        """A finished file renamed onto ev.dest: an atomic save by its last writer. It is
+        reported as that writer's write of the destination, taking no time at the rename:
+        two atomic saves can never overlap (so never a concurrent collision, the file is
+        whole), but saves of one path by several processes of a job still chain into a
+        redundant-write collision, as they should: the last rename silently wins."""
+        last = self._last_writes.pop(ev.path, None)
+        if last is None:
+            # Its writer's close may still be on the way: wait for it, briefly.
+            while self._pending_renames and \
+                    next(iter(self._pending_renames.values())).mono < ev.mono - RENAME_WAIT:
+                self._pending_renames.popitem(last=False)
+            if len(self._pending_renames) < self._max_paths:
+                self._pending_renames[ev.path] = ev
+            return
+        proc, _ = last
+        opened = _Open(proc, next(self._seq), ev.mono, ev.wall, ev.dest)
+        out.append(self._write_event("start", opened))
+        end = self._write_event("end", opened, ev.mono, ev.wall)
+        end.update(start_wall=ev.wall, start_mono=ev.mono, bytes=ev.size, outcome="ok",
+                   renamed_from=ev.path)
+        out.append(end)
+        self.counts["starts"] += 1
+        self.counts["ends"] += 1
+        self.counts["renames"] += 1
+        self._last_writes[ev.dest] = (proc, ev.mono)   # a later rename of it: same writer
+
     def _new_state(self, path, ev, out) -> _PathState:
         if len(self._paths) >= self._max_paths:
             # Bounded memory: the least recently created path is given up, its writes lost.
@@ -255,6 +303,8 @@ class WriteTracker:
 
     def _end(self, path, state, pid, ev, outcome, out) -> None:
         opened = state.writers.pop(pid)
+        if outcome == "ok":
+            out += self.note_write(path, opened.proc, ev.mono)
         size = ev.size if ev.size is not None and ev.target == opened.path else None
         end = self._write_event("end", opened, ev.mono, ev.wall)
         end.update(start_wall=opened.start_wall, start_mono=opened.start_mono, bytes=size,
@@ -288,6 +338,10 @@ class WriteTracker:
                 "path": path, "wall": ev.wall, "mono": ev.mono,
                 "job": jobs[0] if len(jobs) == 1 else ",".join(j or "?" for j in jobs),
                 "writers": writers}
+
+
+# How long a rename whose source's writer is not known yet waits for that writer's close.
+RENAME_WAIT = 2.0
 
 
 # inotify's IN_OPEN is queued before open(2) installs the fd: if a scan right after an
@@ -327,13 +381,17 @@ class ExactAttribution:
     such writes of one path by different processes in one read therefore overlap: reported
     as concurrent even when they might have followed each other by microseconds (either way
     two processes wrote one path, unguarded). An open followed by CLOSE_NOWRITE was a read
-    and is forgotten. `describe(pid, mode)` gives the writer's identity
+    and is forgotten. Files that `matches` rejects (temporary files) only have their last
+    writer noted, so a rename into place is attributed (WriteTracker.note_write). `describe(pid, mode)` gives the writer's identity
     (procscan.ProcScanner.describe).
     """
 
-    def __init__(self, tracker: WriteTracker, describe: Callable, max_pending: int = 10000):
+    def __init__(self, tracker: WriteTracker, describe: Callable,
+                 matches: Callable[[str], bool] = lambda path: True,
+                 max_pending: int = 10000):
         self.tracker = tracker
         self._describe = describe
+        self._matches = matches
         self._max_pending = max_pending
         self._pending: OrderedDict = OrderedDict()      # (pid, path) -> (mono, wall) of open
 
@@ -345,6 +403,14 @@ class ExactAttribution:
             self._pending.move_to_end(key)
             if len(self._pending) > self._max_pending:
                 self._pending.popitem(last=False)
+        if not self._matches(ev.path):
+            # Not a checkpoint name (a temporary file of an atomic save): only who finished
+            # writing it matters, for when it is renamed into place.
+            if ev.mask & (FAN_CLOSE_WRITE | FAN_CLOSE_NOWRITE):
+                self._pending.pop(key, None)
+            if ev.mask & FAN_CLOSE_WRITE:
+                out += self.tracker.note_write(ev.path, self._describe(ev.pid, "w"), ev.mono)
+            return out
         if ev.mask & (FAN_MODIFY | FAN_CLOSE_WRITE) and \
                 ev.pid not in self.tracker.writing(ev.path):
             if ev.mask & FAN_OPEN:                      # merged: opened after ev.since

@@ -243,3 +243,45 @@ def test_a_write_shorter_than_any_scan_is_still_named(watched):
     finally:
         writer.kill()
         writer.wait()
+
+
+ATOMIC_SAVE = r"""
+import os, sys, tempfile
+dest = sys.argv[1]
+fd, tmp = tempfile.mkstemp(dir=os.path.dirname(dest))     # like safetensors / HF hub
+with os.fdopen(fd, "wb") as f:
+    f.write(os.urandom(4096))
+os.replace(tmp, dest)
+"""
+
+
+def test_atomic_saves_by_two_ranks_are_redundant_never_concurrent():
+    """Each rank writes a temporary file and renames it onto the same checkpoint: the file
+    is always whole (no concurrent collision, no false alarm), but two processes of one job
+    wrote it and the last rename silently won: a redundant-write collision naming both."""
+    if why := _fanotify_unusable():
+        pytest.skip(f"fanotify: {why}")
+    workdir = short_tmpdir("cwr")
+    root = os.path.join(workdir, "ckpt")
+    os.makedirs(root)
+    dest = os.path.join(root, "model.safetensors")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CKPTWATCH_")}
+    try:
+        with start_agent(workdir, "--collision.settle", "0.5", "--collision.window", "2",
+                         "--watch.path", root, "--watch.attribution", "fanotify",
+                         "--verify.quiet", "0.3") as agent:
+            for rank in (0, 1):
+                subprocess.run([sys.executable, "-c", ATOMIC_SAVE, dest], check=True,
+                               timeout=30, env={**env, "RANK": str(rank),
+                                                "TORCHELASTIC_RUN_ID": "atomic-job"})
+            (c,) = wait_for(lambda: collisions(agent, dest), timeout=20,
+                            message="redundant collision")
+            assert c["kind"] == "redundant" and c["sources"] == ["fs"]
+            assert sorted(w["rank"] for w in c["writers"]) == [0, 1]
+            time.sleep(1.0)
+            assert not agent.metric("ckptwatch_collisions_total", kind="concurrent")
+            writes = [r for r in agent.journal_records()
+                      if r.get("type") == "write" and r["path"] == dest]
+            assert len(writes) == 2 and all(w["bytes"] == 4096 for w in writes)
+    finally:
+        remove_tree(workdir)
