@@ -16,13 +16,14 @@ price is that events for other files on the same mount are read and dropped (cou
 stats()["unrelated"]), which on a busy shared mount costs the agent a few us per event.
 `--watch.attribution proc` turns this off.
 
-Events asked for: FAN_OPEN, FAN_MODIFY, FAN_CLOSE_WRITE, FAN_CLOSE_NOWRITE. The kernel merges
-a new event into a queued, unread one of the same file and pid (open, writes and close of a
-short save can arrive as one event), keeping the place of the first. So each event also
-carries `since`, a time before which nothing it reports happened: the later of when the
-previous read began and WAKE_SLACK before the reader woke. A merged write lies within
-[since, read time]. A full queue
-(16384 events by default) is reported as FAN_Q_OVERFLOW: counted, and the caller rescans.
+Events asked for: FAN_OPEN, FAN_MODIFY, FAN_CLOSE_WRITE, FAN_CLOSE_NOWRITE, reported with the
+file's name as it was when the event happened (FAN_REPORT_DFID_NAME, Linux 5.9+; see Fanotify
+for why not a descriptor). The kernel merges a new event into a queued, unread one of the
+same file, name and pid (open, writes and close of a short save can arrive as one event),
+keeping the place of the first. So each event also carries `since`, a time before which
+nothing it reports happened: the later of when the previous read began and WAKE_SLACK before
+the reader woke. A merged write lies within [since, read time]. A full queue (16384 events
+by default) is reported as FAN_Q_OVERFLOW: counted, and the caller rescans.
 """
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ import select
 import struct
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
@@ -49,6 +51,10 @@ FAN_Q_OVERFLOW = 0x00004000
 FAN_CLOEXEC = 0x00000001
 FAN_NONBLOCK = 0x00000002
 FAN_CLASS_NOTIF = 0x00000000
+FAN_REPORT_DIR_FID = 0x00000400
+FAN_REPORT_NAME = 0x00000800
+FAN_REPORT_DFID_NAME = FAN_REPORT_DIR_FID | FAN_REPORT_NAME
+FAN_EVENT_INFO_TYPE_DFID_NAME = 2
 FAN_MARK_ADD = 0x00000001
 FAN_MARK_MOUNT = 0x00000010
 FAN_NOFD = -1
@@ -57,6 +63,10 @@ MASK = FAN_OPEN | FAN_MODIFY | FAN_CLOSE_WRITE | FAN_CLOSE_NOWRITE
 
 # struct fanotify_event_metadata: event_len, vers, reserved, metadata_len, mask, fd, pid
 _META = struct.Struct("=IBBHQii")
+_INFO_HEADER = struct.Struct("=BBH")      # struct fanotify_event_info_header
+_O_PATH = getattr(os, "O_PATH", 0o10000000)
+_MAX_DIRS = 4096
+DIR_CACHE_SECONDS = 1.0
 _AT_FDCWD = -100
 _READ_SIZE = 256 * _META.size            # ~1,000 events per read(2)
 _DELETED = " (deleted)"
@@ -90,6 +100,9 @@ class _Libc:
         self.mark.argtypes = [ctypes.c_int, ctypes.c_uint, ctypes.c_uint64, ctypes.c_int,
                               ctypes.c_char_p]
         self.mark.restype = ctypes.c_int
+        self.open_by_handle_at = libc.open_by_handle_at
+        self.open_by_handle_at.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int]
+        self.open_by_handle_at.restype = ctypes.c_int
 
 
 _libc: _Libc | None = None
@@ -103,20 +116,31 @@ def _lib() -> _Libc:
 
 
 class Fanotify:
-    """A notification-class fanotify group: open, mark, read. Raises OSError (EPERM without
-    CAP_SYS_ADMIN, ENOSYS/EINVAL where the kernel lacks it)."""
+    """A notification-class fanotify group that reports names (FAN_REPORT_DFID_NAME, Linux
+    5.9+): open, mark, read. Raises OSError (EPERM without CAP_SYS_ADMIN, EINVAL/ENOSYS where
+    the kernel lacks it).
+
+    Names, not file descriptors: with a descriptor the name is looked up when the agent reads
+    the event, and an atomic save's temporary file has been renamed onto the checkpoint by
+    then, so its writes would be taken for writes of the checkpoint itself (and two ranks'
+    temporary files for a concurrent collision). With FAN_REPORT_DFID_NAME the kernel records
+    the parent directory's file handle and the entry's name when the event happens; the
+    directory is resolved to a path through open_by_handle_at (cached per directory).
+    """
 
     def __init__(self):
         try:
             lib = _lib()
         except (OSError, AttributeError) as exc:    # no libc symbol: not Linux
             raise OSError(errno.ENOSYS, f"fanotify is not available: {exc}") from None
-        fd = lib.init(FAN_CLASS_NOTIF | FAN_CLOEXEC | FAN_NONBLOCK,
+        fd = lib.init(FAN_CLASS_NOTIF | FAN_CLOEXEC | FAN_NONBLOCK | FAN_REPORT_DFID_NAME,
                       os.O_RDONLY | getattr(os, "O_LARGEFILE", 0) | os.O_CLOEXEC)
         if fd < 0:
             err = ctypes.get_errno()
             raise OSError(err, f"fanotify_init: {os.strerror(err)}")
         self.fd = fd
+        self._mount_fds: list[int] = []        # one open directory per marked filesystem
+        self._dirs: OrderedDict[bytes, tuple] = OrderedDict()   # handle -> (path, when)
 
     def mark_mount(self, path: str, mask: int = MASK) -> None:
         r = _lib().mark(self.fd, FAN_MARK_ADD | FAN_MARK_MOUNT, mask, _AT_FDCWD,
@@ -124,6 +148,8 @@ class Fanotify:
         if r < 0:
             err = ctypes.get_errno()
             raise OSError(err, f"fanotify_mark {path}: {os.strerror(err)}")
+        # open_by_handle_at needs any descriptor on the same filesystem.
+        self._mount_fds.append(os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC))
 
     def read(self) -> list[tuple[int, int, str | None]]:
         """(mask, pid, path) of the events queued now (path None for an overflow or a file
@@ -137,21 +163,62 @@ class Fanotify:
             event_len, vers, _, meta_len, mask, fd, pid = _META.unpack_from(buf, pos)
             if event_len < _META.size or vers != FANOTIFY_METADATA_VERSION:
                 break                                   # a kernel ABI we do not know
+            if fd >= 0:                                 # not in name mode; never leak it
+                os.close(fd)
+            out.append((mask, pid, self._name(buf, pos + meta_len, pos + event_len)))
             pos += event_len
-            path = None
-            if fd >= 0:
-                try:
-                    path = os.readlink(f"/proc/self/fd/{fd}")
-                except OSError:
-                    pass
-                finally:
-                    os.close(fd)
-                if path and path.endswith(_DELETED):
-                    path = path[:-len(_DELETED)]
-            out.append((mask, pid, path))
         return out
 
+    def _name(self, buf: bytes, pos: int, end: int) -> str | None:
+        """The path in the event's DFID_NAME info record: directory handle + entry name."""
+        while pos + 4 <= end:
+            info_type, _, length = _INFO_HEADER.unpack_from(buf, pos)
+            if length < 4:
+                return None
+            if info_type == FAN_EVENT_INFO_TYPE_DFID_NAME:
+                handle_at = pos + 4 + 8                 # header, then __kernel_fsid_t
+                handle_bytes = struct.unpack_from("=I", buf, handle_at)[0]
+                handle = buf[handle_at:handle_at + 8 + handle_bytes]
+                name_at = handle_at + 8 + handle_bytes
+                name = buf[name_at:pos + length].split(b"\0", 1)[0]
+                directory = self._directory(handle)
+                if directory is None:
+                    return None
+                return os.path.join(directory, os.fsdecode(name))
+            pos += length
+        return None
+
+    def _directory(self, handle: bytes) -> str | None:
+        now = time.monotonic()
+        cached = self._dirs.get(handle)
+        # Short-lived: a renamed directory (a trainer's staging dir renamed to checkpoint-N)
+        # keeps its handle but changes its path.
+        if cached is not None and now - cached[1] < DIR_CACHE_SECONDS:
+            return cached[0]
+        path = None
+        for mount_fd in self._mount_fds:
+            fd = _lib().open_by_handle_at(mount_fd, handle, _O_PATH | os.O_CLOEXEC)
+            if fd < 0:
+                continue                                # ESTALE / another filesystem
+            try:
+                path = os.readlink(f"/proc/self/fd/{fd}")
+            except OSError:
+                path = None
+            finally:
+                os.close(fd)
+            break
+        if path is not None and path.endswith(_DELETED):
+            return None                                 # gone: do not cache
+        self._dirs[handle] = (path, now)
+        self._dirs.move_to_end(handle)
+        if len(self._dirs) > _MAX_DIRS:
+            self._dirs.popitem(last=False)
+        return path
+
     def close(self) -> None:
+        for fd in self._mount_fds:
+            os.close(fd)
+        self._mount_fds = []
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1

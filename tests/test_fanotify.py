@@ -109,6 +109,35 @@ def test_files_outside_the_roots_and_this_agents_own_are_dropped(fan_watch, tmp_
     assert w.stats()["unrelated"] > 0 and w.stats()["relevant"] >= 1
 
 
+ATOMIC = """
+import os, sys
+tmp = sys.argv[1] + ".tmp"
+with open(tmp, "wb") as f:
+    f.write(b"x" * 100)
+os.replace(tmp, sys.argv[1])
+"""
+
+
+@needs_fanotify
+def test_names_are_those_at_the_event_not_at_the_read(tmp_path):
+    """The agent reads after the temporary file was renamed onto the checkpoint: the write
+    must still be reported under the temporary name (a descriptor would now resolve to the
+    checkpoint, and two ranks' temporary files would look like a concurrent collision)."""
+    fan = fanotify.Fanotify()
+    try:
+        fan.mark_mount(str(tmp_path))
+        dest = os.path.join(os.path.realpath(tmp_path), "model.pt")
+        subprocess.run([sys.executable, "-c", ATOMIC, dest], check=True, timeout=30)
+        events = []
+        while batch := fan.read():
+            events += batch
+        mine = [(m, path) for m, pid, path in events if path and path.startswith(dest)]
+        written = {path for m, path in mine if m & (FAN_MODIFY | FAN_CLOSE_WRITE)}
+        assert written == {dest + ".tmp"}, mine
+    finally:
+        fan.close()
+
+
 @needs_fanotify
 def test_the_kernel_reports_a_queue_overflow(tmp_path):
     """More than max_queued_events unread: the kernel queues FAN_Q_OVERFLOW, and the
