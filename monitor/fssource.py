@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+from collections import OrderedDict
 
 from monitor import fanotify, fstracker, fswatch, procscan
 
@@ -38,6 +39,7 @@ class FsSource:
         self._queue: queue.Queue = queue.Queue(maxsize=MAX_QUEUED)
         self._roots = list(roots)
         self._asked = attribution
+        self._described: OrderedDict = OrderedDict()     # pids whose identity was read
         self.scanner = procscan.ProcScanner(node=node)
         self.watcher = fswatch.Watcher(roots, patterns, mode, poll_interval,
                                        on_event=self._enqueue,
@@ -46,7 +48,7 @@ class FsSource:
         self.attribution = "proc"
         if attribution != "proc":
             # Decided in start(): fanotify unless the kernel or our privileges refuse it.
-            self.fan = fanotify.FanotifyWatcher(roots, on_event=self._enqueue,
+            self.fan = fanotify.FanotifyWatcher(roots, on_event=self._fan_event,
                                                 on_overflow=self._rescan_all)
             self.attribution = "fanotify"
         self.tracker = fstracker.WriteTracker(node=node,
@@ -101,6 +103,17 @@ class FsSource:
                 "attribution_errors": scans["errors"], "dropped": self.dropped_total,
                 "errors": self.errors_total, "attribution_method": self.attribution,
                 "fanotify": self.fan.stats() if self.fan is not None else {}}
+
+    def _fan_event(self, ev) -> None:
+        # On the fanotify reader's thread, as soon as the event is read: a writer's identity
+        # comes from its environment in /proc, so read it now, before a short-lived process
+        # can exit while the event waits in the queue (cached per process by the scanner).
+        if ev.pid not in self._described:
+            self.scanner.describe(ev.pid, "w")
+            self._described[ev.pid] = True
+            if len(self._described) > 4096:
+                self._described.popitem(last=False)
+        self._enqueue(ev)
 
     def _rescan_all(self) -> None:
         for root in self._roots:

@@ -154,6 +154,7 @@ class ProcScanner:
         self._full_at = -float("inf")
         self._update_at = -float("inf")
         self._env_cache: dict[tuple[int, float], dict] = {}
+        self._last_by_pid: dict[int, dict] = {}     # for describe() after the process exits
         self._results: dict[str, tuple[float, list[ProcWriter]]] = {}
         self._stats = {"scans": 0, "last_seconds": 0.0, "total_seconds": 0.0, "errors": 0,
                        "denied": 0, "vanished": 0, "cache_hits": 0, "full_scans": 0,
@@ -206,6 +207,10 @@ class ProcScanner:
                 return _holder(pid, mode, None, self._identity(proc))
             except psutil.NoSuchProcess:
                 self._stats["vanished"] += 1
+                # Gone since its event: the identity read while it lived, if any.
+                ident = self._last_by_pid.get(pid)
+                if ident is not None:
+                    return _holder(pid, mode, None, ident)
             except psutil.AccessDenied:
                 self._stats["denied"] += 1
             except Exception:
@@ -386,7 +391,9 @@ class ProcScanner:
             ident["cmdline"] = ()
         if len(self._env_cache) >= _ENV_CACHE_CAP:
             self._env_cache.clear()
+            self._last_by_pid.clear()
         self._env_cache[key] = ident
+        self._last_by_pid[proc.pid] = ident
         return ident
 
 

@@ -212,10 +212,11 @@ def test_reading_a_checkpoint_while_another_process_writes_it_is_a_torn_read(wat
 
 
 BLINK = r"""
-import sys
+import sys, time
 with open(sys.argv[1], "r+b") as f:        # in place, no truncation: a few microseconds
     f.write(b"y" * 100)
 print("done", flush=True)
+time.sleep(0.5)      # the write is short, the process is not: a trainer outlives its saves
 """
 
 

@@ -282,8 +282,14 @@ def test_describe_reads_a_live_process_and_survives_a_gone_one():
     finally:
         child.kill()
         child.wait()
+    # Gone, but its identity was read while it lived: kept.
     gone = scanner.describe(child.pid, "w")
-    assert (gone.pid, gone.rank, gone.node) == (child.pid, None, "n9")
+    assert (gone.pid, gone.rank, gone.job) == (child.pid, 3, "jobx")
+    # Never seen alive: only the pid.
+    never = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                           capture_output=True, text=True, env=env, check=True)
+    unknown = scanner.describe(int(never.stdout), "w")
+    assert (unknown.rank, unknown.node) == (None, "n9")
 
 
 def _moved(src, dest, t, size=1000):
