@@ -23,6 +23,7 @@ def test_defaults():
     assert cfg.collision_max_paths == 10000
     assert cfg.log_level == "info"
     assert cfg.journal_path.endswith(".jsonl")
+    assert cfg.watch_attribution == "auto"
 
 
 def test_flags_are_parsed_and_typed(tmp_path):
@@ -144,3 +145,11 @@ def test_agent_help_shows_flags():
     assert proc.returncode == 0
     for opt in config.OPTIONS:
         assert f"--{opt.flag}" in proc.stdout
+
+
+def test_watch_attribution_choices():
+    assert load(["--watch.attribution", "proc"]).watch_attribution == "proc"
+    assert load(["--watch.attribution", "FANOTIFY"]).watch_attribution == "fanotify"
+    with pytest.raises(ConfigError) as info:
+        load(["--watch.attribution", "ebpf"])
+    assert "--watch.attribution" in "\n".join(info.value.errors)

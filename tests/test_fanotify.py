@@ -340,3 +340,29 @@ def test_a_checkpoint_renamed_keeps_its_writer():
     out = tracker.observe(_moved("/c/a.pt", "/c/prev.pt", 0.5))
     assert [(e["type"], e["pid"], e["path"]) for e in out] == [("start", 1, "/c/prev.pt"),
                                                                ("end", 1, "/c/prev.pt")]
+
+
+def test_auto_falls_back_to_proc_and_forced_fanotify_is_a_clear_error(monkeypatch, tmp_path):
+    from monitor.fssource import FsSource
+
+    class Denied:
+        def __init__(self):
+            raise OSError(1, "fanotify_init: Operation not permitted")
+    monkeypatch.setattr(fanotify, "Fanotify", Denied)
+    auto = FsSource([str(tmp_path)], ["*.pt"], "inotify", 1.0, "n1", lambda batch: None)
+    auto.start()
+    try:
+        assert auto.attribution == "proc" and auto.fan is None
+        assert not auto.tracker.exact_writers
+        assert auto.stats()["attribution_method"] == "proc"
+    finally:
+        auto.stop()
+    forced = FsSource([str(tmp_path)], ["*.pt"], "inotify", 1.0, "n1", lambda batch: None,
+                      attribution="fanotify")
+    with pytest.raises(OSError) as info:
+        forced.start()
+    assert "--watch.attribution fanotify" in str(info.value)
+    assert "CAP_SYS_ADMIN" in str(info.value)
+    with pytest.raises(ValueError):
+        FsSource([str(tmp_path)], ["*.pt"], "inotify", 1.0, "n1", lambda b: None,
+                 attribution="ebpf")
