@@ -382,8 +382,8 @@ class ExactAttribution:
     as concurrent even when they might have followed each other by microseconds (either way
     two processes wrote one path, unguarded). An open followed by CLOSE_NOWRITE was a read
     and is forgotten. Files that `matches` rejects (temporary files) only have their last
-    writer noted, so a rename into place is attributed (WriteTracker.note_write). `describe(pid, mode)` gives the writer's identity
-    (procscan.ProcScanner.describe).
+    writer noted, so a rename into place is attributed (WriteTracker.note_write).
+    `describe(pid, mode)` gives the writer's identity (procscan.ProcScanner.describe).
     """
 
     def __init__(self, tracker: WriteTracker, describe: Callable,
@@ -396,21 +396,19 @@ class ExactAttribution:
         self._pending: OrderedDict = OrderedDict()      # (pid, path) -> (mono, wall) of open
 
     def observe(self, ev) -> list[dict]:
-        key = (ev.pid, ev.path)
         out: list[dict] = []
+        if not self._matches(ev.path):
+            # Not a checkpoint name (a temporary file of an atomic save): only who finished
+            # writing it matters, for when it is renamed into place.
+            if ev.mask & FAN_CLOSE_WRITE:
+                out += self.tracker.note_write(ev.path, self._describe(ev.pid, "w"), ev.mono)
+            return out
+        key = (ev.pid, ev.path)
         if ev.mask & FAN_OPEN:
             self._pending[key] = (ev.mono, ev.wall)
             self._pending.move_to_end(key)
             if len(self._pending) > self._max_pending:
                 self._pending.popitem(last=False)
-        if not self._matches(ev.path):
-            # Not a checkpoint name (a temporary file of an atomic save): only who finished
-            # writing it matters, for when it is renamed into place.
-            if ev.mask & (FAN_CLOSE_WRITE | FAN_CLOSE_NOWRITE):
-                self._pending.pop(key, None)
-            if ev.mask & FAN_CLOSE_WRITE:
-                out += self.tracker.note_write(ev.path, self._describe(ev.pid, "w"), ev.mono)
-            return out
         if ev.mask & (FAN_MODIFY | FAN_CLOSE_WRITE) and \
                 ev.pid not in self.tracker.writing(ev.path):
             if ev.mask & FAN_OPEN:                      # merged: opened after ev.since
