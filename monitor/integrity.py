@@ -132,6 +132,9 @@ def verify(path: str, deep: bool = False, max_bytes_per_second: float | None = N
 def _verify_open(f, size: int, path: str, deep: bool, throttle: "_Throttle") -> Verdict:
     if size == 0:
         return Verdict(CORRUPT, FMT_EMPTY, "empty file (0 bytes)", {"cause": "empty"})
+    if _fadvise is not None and size > TAIL_SEARCH:
+        # The zip directory is at the end: on a cold file, fetch it while the head is read.
+        _fadvise(f.fileno(), size - TAIL_SEARCH, TAIL_SEARCH, _WILLNEED)
     head = _pread(f, 0, min(size, 4096))
     fmt = _sniff(f, head, size)
     checker = {FMT_TORCH_ZIP: _verify_torch_zip, FMT_SAFETENSORS: _verify_safetensors,
