@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 import uuid
 
 import pytest
@@ -269,3 +270,29 @@ def test_watcher_sees_lightning_checkpoints_and_no_collision(watching_agent, out
     assert not [r for r in agent.journal_records() if r.get("type") == "collision"]
     assert not agent.metric("ckptwatch_checkpoint_verifications_total", result="corrupt")
     assert job
+
+
+def test_watcher_and_hook_on_the_trainer_raise_no_false_alarm(watching_agent, outdir):
+    """transformers' Trainer with both sources: the hook sees its torch.saves, the watcher
+    every file it writes (model.safetensors goes through a temporary file and a rename). A
+    correct job: one writer per checkpoint file, so no collision of any kind (the window is
+    3 s here, so a redundant chain would have closed), no size fluctuation, nothing corrupt."""
+    pytest.importorskip("transformers")
+    agent = watching_agent
+    out = os.path.join(outdir, "hf")
+    job = run_job(agent, "hf-fs", [*TORCHRUN, os.path.join(SCRIPTS, "hf_trainer.py"),
+                                   "--out", out])
+    models = [os.path.join(out, f"checkpoint-{step}", "model.safetensors") for step in (2, 4)]
+    wait_for(lambda: (agent.metric("ckptwatch_checkpoint_verifications_total", result="ok")
+                      or 0) >= 10, timeout=30, message="the checkpoints verified")
+    time.sleep(3 + 1.0 + 1.5)            # window + settle + margin: chains would close now
+    assert not [r for r in agent.journal_records() if r.get("type") == "collision"]
+    assert not agent.metric("ckptwatch_collisions_total")
+    assert not agent.metric("ckptwatch_size_fluctuations_total")
+    assert not agent.metric("ckptwatch_checkpoint_verifications_total", result="corrupt")
+    if agent.metric("ckptwatch_attribution_method", method="fanotify"):
+        # The safetensors renames are attributed to the process that wrote them: rank 0.
+        fs_writes = [r for r in agent.journal_records()
+                     if r.get("type") == "write" and r["path"] in models]
+        assert sorted(r["path"] for r in fs_writes) == sorted(models), fs_writes
+        assert {(r["rank"], r["job"], r["source"]) for r in fs_writes} == {(0, job, "fs")}
