@@ -21,9 +21,9 @@ file's name as it was when the event happened (FAN_REPORT_DFID_NAME, Linux 5.9+;
 for why not a descriptor). The kernel merges a new event into a queued, unread one of the
 same file, name and pid (open, writes and close of a short save can arrive as one event),
 keeping the place of the first. So each event also carries `since`, a time before which
-nothing it reports happened: the later of when the previous read began and WAKE_SLACK before
-the reader woke. A merged write lies within [since, read time]. A full queue (16384 events
-by default) is reported as FAN_Q_OVERFLOW: counted, and the caller rescans.
+nothing it reports happened (FanotifyWatcher._since). A merged write lies within
+[since, read time]. A full queue (16384 events by default) is reported as FAN_Q_OVERFLOW:
+counted, and the caller rescans.
 """
 from __future__ import annotations
 
@@ -68,7 +68,9 @@ _O_PATH = getattr(os, "O_PATH", 0o10000000)
 _MAX_DIRS = 4096
 DIR_CACHE_SECONDS = 1.0
 _AT_FDCWD = -100
-_READ_SIZE = 256 * _META.size            # ~1,000 events per read(2)
+_READ_SIZE = 64 * 1024                    # ~1,000 events per read(2)
+# metadata + info header + fsid + file_handle (<= 128 bytes) + a 255-byte name + NUL
+_MAX_EVENT_SIZE = 24 + 4 + 8 + 8 + 128 + 256
 _DELETED = " (deleted)"
 # How late the reader thread may wake after the first event of a read was queued (GIL and
 # scheduler delays): the bound on how early a merged event's open may lie before the wakeup.
@@ -139,6 +141,7 @@ class Fanotify:
             err = ctypes.get_errno()
             raise OSError(err, f"fanotify_init: {os.strerror(err)}")
         self.fd = fd
+        self.drained = True          # whether the last read() emptied the queue
         self._mount_fds: list[int] = []        # one open directory per marked filesystem
         self._dirs: OrderedDict[bytes, tuple] = OrderedDict()   # handle -> (path, when)
 
@@ -157,7 +160,10 @@ class Fanotify:
         try:
             buf = os.read(self.fd, _READ_SIZE)
         except BlockingIOError:
+            self.drained = True
             return []
+        # A nearly full buffer may have left events in the queue (older than this read).
+        self.drained = len(buf) <= _READ_SIZE - _MAX_EVENT_SIZE
         out, pos = [], 0
         while pos + _META.size <= len(buf):
             event_len, vers, _, meta_len, mask, fd, pid = _META.unpack_from(buf, pos)
@@ -262,7 +268,8 @@ class FanotifyWatcher:
         self._thread: threading.Thread | None = None
         self._wake_r, self._wake_w = -1, -1
         self._last_mono = 0.0
-        self._read_at = 0.0            # monotonic time the previous read began
+        self._drained_at = 0.0         # when the last read that emptied the queue began
+        self._idle = True              # whether the previous read emptied the queue
         self._stats = {"events": 0, "relevant": 0, "unrelated": 0, "overflows": 0,
                        "unnamed": 0, "mounts": 0}
 
@@ -283,7 +290,7 @@ class FanotifyWatcher:
             raise
         self._stats["mounts"] = len(marked)
         self._fan = fan
-        self._read_at = time.monotonic()          # nothing is queued before this
+        self._drained_at = time.monotonic()       # nothing is queued before this
         self._wake_r, self._wake_w = os.pipe()
         self._thread = threading.Thread(target=self._run, name="ckptwatch-fanotify",
                                         daemon=True)
@@ -317,16 +324,30 @@ class FanotifyWatcher:
                 continue
             if self._wake_r in ready:
                 return
-            # Every event in this read was created after the previous read began, and (the
-            # thread being idle in select) no earlier than WAKE_SLACK before select woke us:
-            # an idle hour must not stretch a merged write over that hour.
             now, now_wall = time.monotonic(), time.time()
-            since = max(self._read_at, now - WAKE_SLACK)
-            self._read_at = now
+            since = self._since(now)
             try:
-                self._handle(fan.read(), since, now_wall - (now - since))
+                batch = fan.read()
+                self._drained(fan.drained, now)
+                self._handle(batch, since, now_wall - (now - since))
             except Exception:                 # never let one odd event end observation
                 log.exception("fanotify event handling failed")
+
+    def _since(self, now: float) -> float:
+        """A time no event of the read starting at `now` can predate. Every event was queued
+        after the last read that emptied the queue began. If that read was the previous one,
+        the thread then sat idle in select until the first new event woke it, so the events
+        are also at most WAKE_SLACK older than `now`: an idle hour must not stretch a merged
+        write over that hour. In a burst (the previous read left events queued) only the
+        first bound holds."""
+        if self._idle:
+            return max(self._drained_at, now - WAKE_SLACK)
+        return self._drained_at
+
+    def _drained(self, drained: bool, read_began: float) -> None:
+        self._idle = drained
+        if drained:
+            self._drained_at = read_began
 
     def _handle(self, events, since: float = 0.0, since_wall: float = 0.0) -> None:
         for mask, pid, path in events:

@@ -366,3 +366,32 @@ def test_auto_falls_back_to_proc_and_forced_fanotify_is_a_clear_error(monkeypatc
     with pytest.raises(ValueError):
         FsSource([str(tmp_path)], ["*.pt"], "inotify", 1.0, "n1", lambda b: None,
                  attribution="ebpf")
+
+
+def test_since_bounds_idle_reads_by_the_wake_slack_and_bursts_by_the_last_drain():
+    w = FanotifyWatcher(["/tmp"], lambda e: None, lambda: None)
+    w._drained(True, 100.0)                      # a read at t=100 emptied the queue
+    # Idle until t=3700: the events are at most WAKE_SLACK old, not an hour.
+    assert w._since(3700.0) == 3700.0 - fanotify.WAKE_SLACK
+    # Woken right after the drain: the drain is the tighter bound.
+    assert w._since(100.01) == 100.0
+    w._drained(False, 3700.0)                    # that read filled the buffer: a burst
+    # The next read's events were queued before 3700 too: only the last drain bounds them.
+    assert w._since(3700.2) == 100.0
+    w._drained(True, 3700.2)
+    assert w._since(3700.21) == 3700.2
+
+
+@needs_fanotify
+def test_a_read_reports_whether_it_emptied_the_queue(tmp_path):
+    fan = fanotify.Fanotify()
+    try:
+        fan.mark_mount(str(tmp_path))
+        for i in range(3000):                    # ~3,000 events: several reads' worth
+            (tmp_path / f"q{i}.pt").write_bytes(b"z")
+        flags = []
+        while fan.read():
+            flags.append(fan.drained)
+        assert flags[0] is False and flags[-1] is True
+    finally:
+        fan.close()
