@@ -65,7 +65,7 @@ def main(argv=None) -> int:
                     help="files per round (1-2 events each; stay under the 16384-event queue)")
     ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args(argv)
-    ok, why = fanotify.available()
+    ok, why = fanotify.available(tempfile.gettempdir())
     if not ok:
         print(f"fanotify is not usable here: {why}")
         return 1

@@ -230,13 +230,20 @@ class Fanotify:
             self.fd = -1
 
 
-def available() -> tuple[bool, str]:
-    """(usable here, why not): tries to create a group. Marking can still fail (a mount
-    mark needs CAP_SYS_ADMIN in the initial user namespace): FanotifyWatcher.start raises."""
+def available(path: str = "/") -> tuple[bool, str]:
+    """(usable here, why not): creates a group and marks the mount holding `path`, which is
+    what FanotifyWatcher.start does (a mount mark needs CAP_SYS_ADMIN in the initial user
+    namespace, so creating the group alone proves too little)."""
     try:
-        Fanotify().close()
+        fan = Fanotify()
     except OSError as exc:
         return False, why(exc)
+    try:
+        fan.mark_mount(_existing_ancestor(path))
+    except OSError as exc:
+        return False, why(exc)
+    finally:
+        fan.close()
     return True, ""
 
 
@@ -371,20 +378,19 @@ class FanotifyWatcher:
             self._on_event(FanEvent(mask, pid, path, mono, wall, since, since_wall))
 
 
-def _existing_ancestor(path: str) -> str:
-    while not os.path.exists(path):
+def _nearest(path: str, accept: Callable[[str], bool]) -> str:
+    """`path` or its closest ancestor that `accept`s (the filesystem root at worst)."""
+    while not accept(path):
         parent = os.path.dirname(path)
         if parent == path:
             break
         path = parent
     return path
+
+
+def _existing_ancestor(path: str) -> str:
+    return _nearest(path, os.path.exists)
 
 
 def _mount_point(path: str) -> str:
-    path = os.path.realpath(path)
-    while not os.path.ismount(path):
-        parent = os.path.dirname(path)
-        if parent == path:
-            break
-        path = parent
-    return path
+    return _nearest(os.path.realpath(path), os.path.ismount)

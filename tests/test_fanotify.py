@@ -19,23 +19,7 @@ from monitor.fswatch import FsEvent
 from monitor.procscan import ProcScanner, ProcWriter
 
 
-def _usable() -> str:
-    """'' when this process can mark mounts, else why not."""
-    ok, why = fanotify.available()
-    if not ok:
-        return why
-    try:
-        fan = fanotify.Fanotify()
-        try:
-            fan.mark_mount("/tmp")
-        finally:
-            fan.close()
-    except OSError as exc:
-        return fanotify.why(exc)
-    return ""
-
-
-WHY_NOT = _usable()
+WHY_NOT = fanotify.available("/tmp")[1]       # '' when this process can mark mounts
 needs_fanotify = pytest.mark.skipif(bool(WHY_NOT), reason=f"fanotify: {WHY_NOT}")
 
 
