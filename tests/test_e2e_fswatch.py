@@ -3,6 +3,7 @@ torchrun jobs (gloo, CPU) that know nothing of ckptwatch. Then the same with the
 collision, seen by both sources."""
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -20,19 +21,14 @@ pytest.importorskip("watchdog")
 NPROC = 4
 
 
+def _clean_env() -> dict:
+    """This environment without ckptwatch's variables (the jobs here know nothing of it)."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("CKPTWATCH_")}
+
+
 def _fanotify_unusable() -> str:
     from monitor import fanotify
-    ok, why = fanotify.available()
-    if ok:
-        try:
-            fan = fanotify.Fanotify()
-            try:
-                fan.mark_mount("/tmp")
-            finally:
-                fan.close()
-        except OSError as exc:
-            why = fanotify.why(exc)
-    return why if why else ""
+    return fanotify.available("/tmp")[1]
 
 
 # (observer mode, attribution): how the agent sees files change x how it names writers.
@@ -64,7 +60,7 @@ def _short_saves_anonymous(mode, attribution):
 
 def torchrun(out: str, mode: str, *, hook_socket: str | None = None) -> str:
     job = f"fs-{mode}-{uuid.uuid4().hex[:6]}"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CKPTWATCH_")}
+    env = _clean_env()
     env.update({"CKPTWATCH_JOB": job, "OMP_NUM_THREADS": "1"})
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
            str(NPROC), "-m", "monitor.demo_job", "--out", out, "--save", mode,
@@ -186,16 +182,27 @@ with open(sys.argv[1], "rb") as f:
 """
 
 
+@contextlib.contextmanager
+def holding_open(path: str, job: str):
+    """A rank-0 process of `job` that has written `path` and keeps it open (WRITER)."""
+    env = {**_clean_env(), "RANK": "0", "CKPTWATCH_JOB": job}
+    writer = subprocess.Popen([sys.executable, "-c", WRITER, path], stdout=subprocess.PIPE,
+                              text=True, env=env)
+    try:
+        assert writer.stdout.readline() == "writing\n"
+        yield writer
+    finally:
+        writer.kill()
+        writer.wait()
+
+
 def test_reading_a_checkpoint_while_another_process_writes_it_is_a_torn_read(watched):
     agent, root, mode, attribution = watched
     if mode == "polling":
         pytest.skip("opens for reading are inotify events; polling sees content changes only")
     path = os.path.join(root, "being-written.pt")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CKPTWATCH_")}
-    writer = subprocess.Popen([sys.executable, "-c", WRITER, path], stdout=subprocess.PIPE,
-                              text=True, env={**env, "RANK": "0", "CKPTWATCH_JOB": "torn"})
-    try:
-        assert writer.stdout.readline() == "writing\n"
+    env = _clean_env()
+    with holding_open(path, "torn"):
         time.sleep(0.3)                 # let the watcher attribute the writer first
         reader = subprocess.run([sys.executable, "-c", READER, path], capture_output=True,
                                 text=True, env={**env, "CKPTWATCH_JOB": "eval"}, timeout=30)
@@ -206,9 +213,6 @@ def test_reading_a_checkpoint_while_another_process_writes_it_is_a_torn_read(wat
                                        if r.get("type") == "torn_read"], timeout=10,
                               message="torn read journaled")
         assert finding["path"] == path and finding["writers"][0]["rank"] == 0
-    finally:
-        writer.kill()
-        writer.wait()
 
 
 BLINK = r"""
@@ -227,23 +231,16 @@ def test_a_write_shorter_than_any_scan_is_still_named(watched):
     if attribution != "fanotify":
         pytest.skip("a /proc scan cannot see a write that is over before it runs")
     path = os.path.join(root, "blink.pt")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CKPTWATCH_")}
-    writer = subprocess.Popen([sys.executable, "-c", WRITER, path], stdout=subprocess.PIPE,
-                              text=True, env={**env, "RANK": "0", "CKPTWATCH_JOB": "blink"})
-    try:
-        assert writer.stdout.readline() == "writing\n"
+    with holding_open(path, "blink") as writer:
         blink = subprocess.run([sys.executable, "-c", BLINK, path], capture_output=True,
-                               text=True, env={**env, "RANK": "1", "CKPTWATCH_JOB": "blink"},
-                               timeout=30)
+                               text=True, env={**_clean_env(), "RANK": "1",
+                                               "CKPTWATCH_JOB": "blink"}, timeout=30)
         assert blink.stdout == "done\n", blink.stderr
         writer.wait(timeout=30)
         (c,) = wait_for(lambda: collisions(agent, path), timeout=15, message="collision")
         assert c["kind"] == "concurrent" and c["sources"] == ["fs"]
         assert sorted((w["rank"], w["job"]) for w in c["writers"]) == \
                [(0, "blink"), (1, "blink")]
-    finally:
-        writer.kill()
-        writer.wait()
 
 
 ATOMIC_SAVE = r"""
@@ -266,7 +263,7 @@ def test_atomic_saves_by_two_ranks_are_redundant_never_concurrent():
     root = os.path.join(workdir, "ckpt")
     os.makedirs(root)
     dest = os.path.join(root, "model.safetensors")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CKPTWATCH_")}
+    env = _clean_env()
     try:
         with start_agent(workdir, "--collision.settle", "0.5", "--collision.window", "2",
                          "--watch.path", root, "--watch.attribution", "fanotify",
