@@ -86,14 +86,14 @@ class _Unpickler(pickle.Unpickler):
         return cls
 
     def persistent_load(self, pid):
-        # The same rule as the careful reader's _record_storage, inlined (once per tensor).
-        if type(pid) is tuple and len(pid) >= 5 and pid[0] == "storage":
-            key, numel = pid[2], pid[4]
-            if type(key) is not str or type(numel) is not int:
-                raise ValueError(f"storage id {key!r} without a proper key and size")
-            named = getattr(pid[1], "ckpt_global", None)
-            self.found[key] = (named[1] if named else None, numel)
+        _record_storage(pid, self.found, _placeholder_name)
         return _INERT
+
+
+def _placeholder_name(storage_type) -> str | None:
+    """The class name a placeholder stands for (the fast reader's storage types)."""
+    named = getattr(storage_type, "ckpt_global", None)
+    return named[1] if named else None
 
 
 def _fast_storages(data: bytes) -> dict:
@@ -317,14 +317,22 @@ def _pop_mark(stack: list) -> list:
     raise ValueError("mark not found")
 
 
-def _record_storage(pid, found: dict) -> None:
+def _global_name(storage_type) -> str | None:
+    """The class name of a ("global", module, name) tuple (the careful reader's globals)."""
+    if isinstance(storage_type, tuple) and len(storage_type) == 3:
+        return storage_type[2]
+    return None
+
+
+def _record_storage(pid, found: dict, type_name=_global_name) -> None:
+    """Both readers' rule for one persistent id: a ('storage', type, key, location, numel)
+    tuple is recorded as found[key] = (type name, numel); `type_name` names the type as that
+    reader represents globals."""
     if not (isinstance(pid, tuple) and len(pid) >= 5 and pid[0] == "storage"):
         return
-    storage_type, key, numel = pid[1], pid[2], pid[4]
-    type_name = storage_type[2] if isinstance(storage_type, tuple) and len(storage_type) == 3 \
-        else None
+    key, numel = pid[2], pid[4]
     # torch always writes a string key and an int element count: anything else is damage.
     if not isinstance(key, str) or not isinstance(numel, int) or isinstance(numel, bool):
         raise ValueError(f"storage id {key!r} without a proper key and size")
-    found[key] = (type_name, numel)
+    found[key] = (type_name(pid[1]), numel)
 
