@@ -121,15 +121,15 @@ class WriteTracker:
         state = self._paths.get(path)
         if state is not None and proc.pid in state.writers:
             return out
+        ev = FsEvent(OPENED, path, None, mono, wall)
         if state is None:
-            state = self._new_state(path, FsEvent(OPENED, path, None, mono, wall), out)
+            state = self._new_state(path, ev, out)
         opened = _Open(proc, next(self._seq), mono, wall, path)
         state.writers[proc.pid] = opened
         out.append(self._write_event("start", opened))
         self.counts["starts"] += 1
         if len(state.writers) >= 2:
-            out.append(self._finding(FS_COLLISION, path, state,
-                                     FsEvent(OPENED, path, None, mono, wall)))
+            out.append(self._finding(FS_COLLISION, path, state, ev))
         return out
 
     def write_ended(self, path: str, pid: int, mono: float, wall: float,
