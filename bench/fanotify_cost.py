@@ -25,7 +25,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from monitor import fanotify  # noqa: E402
+from monitor.fs import fanotify# noqa: E402
 
 
 def one_round(files: int, workdir: str) -> tuple[float, float, int]:

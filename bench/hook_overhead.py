@@ -50,9 +50,9 @@ def main(argv=None) -> int:
     rows = []
     with Agent() as agent:
         os.environ["CKPTWATCH_SOCKET"] = agent.socket
-        import monitor
-        from monitor import emitter as emitter_mod
-        monitor.install()
+        import ckptwatch
+        from ckptwatch import emitter as emitter_mod
+        ckptwatch.install()
         instrumented = torch.save
         assert instrumented is not plain, "hook did not install"
         for label, nbytes, rounds in sizes:

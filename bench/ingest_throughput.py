@@ -24,7 +24,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.common import Agent  # noqa: E402
-from monitor import events  # noqa: E402
+from ckptwatch import events# noqa: E402
 
 
 def sender(sock_path: str, n_events: int, index: int, go, batch: int = 256) -> None:

@@ -1,11 +1,11 @@
 """How fast is checkpoint verification, next to what a user would otherwise do?
 
 Side by side, in one run, on the same file:
-  1. structural verify (monitor.integrity.verify) vs torch.load of the checkpoint
+  1. structural verify (monitor.verify.integrity.verify) vs torch.load of the checkpoint
      (target: structural >= 100x faster);
   2. deep verify (CRC32 of every record) vs a plain sequential read of the file in 1 MiB
      chunks (target: deep throughput >= 50% of the plain read's), with the CRC32 backend
-     installed (monitor.crc: zlib-ng or isal from ckptwatch[fast]) and with stdlib zlib.
+     installed (monitor.verify.crc: zlib-ng or isal from ckptwatch[fast]) and with stdlib zlib.
 
 Each pair is measured twice: with the file in the page cache (warm: CPU cost only, the
 agent's case right after a save) and with this file's pages dropped before every run
@@ -27,8 +27,9 @@ import zlib
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from monitor import crc, integrity  # noqa: E402
-from monitor.integrity import CHUNK, OK, verify  # noqa: E402
+from monitor.verify import crc
+from monitor.verify import integrity# noqa: E402
+from monitor.verify.integrity import CHUNK, OK, verify  # noqa: E402
 
 
 def make_checkpoint(path: str, size_mib: int) -> None:

@@ -1,7 +1,7 @@
 """The JSONL journal: one line per finished write and per collision, with size rotation.
 
 Written by the agent's core loop (one thread), read by `ckptwatch report`. Records are built
-by monitor/model.py (to_record) so the writer and the reader never drift apart; each line also
+by monitor/detect/model.py (to_record) so the writer and the reader never drift apart; each line also
 gets "ts", the wall time it was written.
 
 Failure policy: constructing a Journal on a path that cannot be opened raises JournalError
@@ -24,7 +24,7 @@ from typing import Callable, Iterator
 # scalar) must not lose the line.
 _ENCODER = json.JSONEncoder(separators=(",", ":"), default=str)
 
-from monitor.model import Collision, Write
+from monitor.detect.model import Collision, Write
 
 SYSTEM_JOURNAL_PATH = "/var/lib/ckptwatch/journal.jsonl"
 DEFAULT_JOURNAL_PATH = SYSTEM_JOURNAL_PATH

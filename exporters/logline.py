@@ -7,7 +7,7 @@ must not forge a second log line.
 """
 from __future__ import annotations
 
-from monitor.model import KIND_CONCURRENT, Collision, Writer
+from monitor.detect.model import KIND_CONCURRENT, Collision, Writer
 
 # A 512-rank job all saving to one path should not produce a 30 kB log line.
 MAX_WRITERS_LISTED = 16

@@ -32,11 +32,11 @@ from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
                                     HistogramMetricFamily)
 from prometheus_client.exposition import choose_encoder
 
-from monitor.events import REJECT_REASONS
-from monitor.integrity import CAUSES as CORRUPT_CAUSES
-from monitor.model import SOURCE_FS, SOURCE_HOOK, Collision, Write
-from monitor.verifier import RESULTS as VERIFY_RESULTS
-from monitor.version import __version__
+from ckptwatch.events import REJECT_REASONS
+from monitor.verify.integrity import CAUSES as CORRUPT_CAUSES
+from monitor.detect.model import SOURCE_FS, SOURCE_HOOK, Collision, Write
+from monitor.verify.worker import RESULTS as VERIFY_RESULTS
+from ckptwatch.version import __version__
 
 log = logging.getLogger(__name__)
 
@@ -183,13 +183,13 @@ class MetricsState:
             counts[job] = counts.get(job, 0) + 1
 
     def set_fs_stats(self, stats: dict) -> None:
-        """The filesystem source's counters (monitor.fssource.FsSource.stats())."""
+        """The filesystem source's counters (monitor.fs.source.FsSource.stats())."""
         with self._lock:
             self._fs = dict(stats)
 
     def verification(self, result: str, cause: str = "") -> None:
         """One finished checkpoint verified: result ok|corrupt|unverifiable|gone; cause is
-        the bounded corruption category (monitor.integrity.CAUSES) for corrupt files."""
+        the bounded corruption category (monitor.verify.integrity.CAUSES) for corrupt files."""
         with self._lock:
             self._verifications[result] = self._verifications.get(result, 0) + 1
             if cause:

@@ -1,23 +1,10 @@
-"""ckptwatch: see every torch.save, catch concurrent writes to one checkpoint path.
+"""The ckptwatch agent: observation (ingest, fs/) and judgment (detect/, verify/).
 
-In-process API (stdlib only; torch is imported lazily, never by this package itself):
-
-    import monitor
-    monitor.install()     # patch torch.save now, or as soon as torch is imported
-    monitor.uninstall()   # restore the original torch.save (only if still ours)
+Layout (docs/architecture.md has the data flow and the import boundaries):
+  daemon.py  the Agent object and its core loop     ingest.py  the hook's Unix socket server
+  config.py  flags and config files                 logformat.py  the agent's log lines
+  detect/    pure: events -> writes -> collisions, findings
+  fs/        filesystem observation and attribution (watchdog, fanotify, /proc)
+  verify/    checkpoint verification (no torch)
+  cli/       the `ckptwatch` command (nothing imports it)
 """
-from monitor.version import __version__
-
-__all__ = ["__version__", "install", "uninstall"]
-
-
-def install() -> bool:
-    """Patch torch.save (and torch.serialization.save). Idempotent. See monitor.hook."""
-    from monitor import hook
-    return hook.install()
-
-
-def uninstall() -> bool:
-    """Restore the original torch.save if the current one is ours. Idempotent."""
-    from monitor import hook
-    return hook.uninstall()

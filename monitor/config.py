@@ -18,13 +18,13 @@ from typing import Any, Callable
 
 from exporters.journal import default_journal_path
 from exporters.prometheus import parse_listen_address
-from monitor import paths
+from ckptwatch import paths
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 WATCH_MODES = ("auto", "inotify", "polling")
-WATCH_ATTRIBUTIONS = ("auto", "fanotify", "proc")     # monitor.fssource.ATTRIBUTIONS
+WATCH_ATTRIBUTIONS = ("auto", "fanotify", "proc")     # monitor.fs.source.ATTRIBUTIONS
 # Which files count as checkpoints in watched directories (plus any path a hook event names).
-# Kept here, not imported from monitor.fswatch, so `--help` works without watchdog loaded.
+# Kept here, not imported from monitor.fs.watch, so `--help` works without watchdog loaded.
 WATCH_PATTERNS = ("*.pt", "*.pth", "*.bin", "*.ckpt", "*.safetensors", "*.distcp")
 LOG_FORMATS = ("logfmt", "json")
 

@@ -10,6 +10,7 @@ import logging
 import os
 import queue
 import signal
+import sys
 import threading
 import time
 
@@ -18,15 +19,16 @@ import psutil
 from exporters.journal import Journal, JournalError
 from exporters.logline import collision_message
 from exporters.prometheus import MetricsServer, MetricsState, build_registry
-from monitor import crc, logformat
+from monitor.verify import crc
+from monitor import logformat
 from monitor.config import Config
-from monitor.detector import Detector
-from monitor.fsmerge import SourceMerger
-from monitor.fssource import FILE_CHANGED, FILE_CLOSED, FsSource
+from monitor.detect.detector import Detector
+from monitor.detect.merge import SourceMerger
+from monitor.fs.source import FILE_CHANGED, FILE_CLOSED, FsSource
 from monitor.ingest import IngestError, IngestServer
-from monitor.model import Collision, Write
-from monitor.sizes import SizeHistory
-from monitor.verifier import Verification, Verifier, VerifySchedule
+from monitor.detect.model import Collision, Write
+from monitor.detect.sizes import SizeHistory
+from monitor.verify.worker import Verification, Verifier, VerifySchedule
 
 log = logging.getLogger("ckptwatch.agent")
 
@@ -46,7 +48,7 @@ def pid_alive(node: str, pid: int) -> bool:
 
 
 class Checks:
-    """Verification of finished checkpoints, driven from the loop's thread (monitor.verifier).
+    """Verification of finished checkpoints, driven from the loop's thread (monitor.verify.worker).
 
     A path is verified once it has been quiet for `verify.quiet` seconds after its last write:
     after a collision that is when the last writer is done and the damage is final.
@@ -398,3 +400,20 @@ def _loop(stop, inbox: Inbox, pipeline: Pipeline, ingest: IngestServer, heartbea
         if now >= next_tick:
             next_tick = now + TICK_SECONDS
             pipeline.tick(ingest)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`ckptwatch agent` and `python agent.py`: parse flags (exit 2 on invalid configuration,
+    every error listed) and run."""
+    from monitor import config
+
+    try:
+        cfg = config.load(argv)
+    except config.ConfigError as exc:
+        for line in exc.errors:
+            print(f"ckptwatch agent: {line}", file=sys.stderr)
+        print("ckptwatch agent: invalid configuration (see --help)", file=sys.stderr)
+        return 2
+    except SystemExit as exc:   # --help
+        return exc.code if isinstance(exc.code, int) else 0
+    return run(cfg)

@@ -2,7 +2,7 @@
 
 One background thread multiplexes every connection with `selectors` over non-blocking sockets;
 each connection has its own FrameReader, so one client's garbage never touches another's
-stream. Transport and framing are described in monitor/events.py.
+stream. Transport and framing are described in ckptwatch/events.py.
 
 Each event's pid is checked against the kernel's peer credentials (SO_PEERCRED) of the
 connection it arrived on, so a process cannot report writes on behalf of another. The kernel
@@ -15,7 +15,7 @@ namespace that cannot see the trainers at all gets peer pid 0 and rejects every 
 "pid_mismatch" (run it with hostPID: true on Kubernetes).
 
 Callbacks run on the server thread: on_event(event) for every valid event, on_reject(reason)
-(reason from monitor.events.REJECT_REASONS) for every rejected input. They should be quick.
+(reason from ckptwatch.events.REJECT_REASONS) for every rejected input. They should be quick.
 With on_events(list) instead, valid events come in one list per socket read: one hand-off
 per few hundred events is what lets the agent keep up at tens of thousands of events/s.
 
@@ -36,7 +36,7 @@ import struct
 import threading
 from typing import Callable
 
-from monitor import events
+from ckptwatch import events
 
 log = logging.getLogger("ckptwatch.ingest")
 

@@ -161,7 +161,7 @@ def start_agent(workdir: str, *extra_args: str, window: float | None = None,
 
 _SENDER = r'''
 import os, socket, sys, time
-from monitor import events
+from ckptwatch import events
 path, node, rank, job, ckpt = sys.argv[1:6]
 sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
 sock.connect(path)

@@ -4,7 +4,7 @@ corrupt ones made by real 4-rank races.
 Library side (imported by tests): clean_checkpoints(), lookalikes(), truncated_copies(),
 flip_tensor_byte(), race_checkpoints(), single_rank_output().
 
-Worker side: run under torchrun, every rank saves the same kind of state as monitor.demo_job
+Worker side: run under torchrun, every rank saves the same kind of state as monitor.cli.demo_job
 (its model, per-rank RNG state, per-rank data-loader tensor, writer_rank) to one shared path
 per round, `--rounds` times, with a barrier before each save so the writes overlap. One
 launch gives many races: a torchrun start costs ~10 s on 2 cores, a round ~0.3 s.
@@ -194,7 +194,7 @@ def single_rank_output(path: str, directory: str) -> int | None:
     rank; else None. Such a file is a valid save that merely won the race: not corrupt."""
     import torch
 
-    from monitor.demo_job import consistency
+    from monitor.cli.demo_job import consistency
     try:
         state = torch.load(path, weights_only=True)
         if consistency(state) is not None:
@@ -223,7 +223,7 @@ def _race_worker(argv=None) -> int:
     import torch.distributed as dist
     from torch import nn
 
-    from monitor.demo_job import sampler_indices
+    from monitor.cli.demo_job import sampler_indices
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
     p.add_argument("--rounds", type=int, default=20)
@@ -236,7 +236,7 @@ def _race_worker(argv=None) -> int:
                           nn.Linear(args.width, args.width))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     torch.manual_seed(1000 + rank)
-    # Same content as monitor.demo_job saves: identical weights, per-rank RNG state and
+    # Same content as monitor.cli.demo_job saves: identical weights, per-rank RNG state and
     # data-loader tensor (different lengths), so colliding writes carry different bytes.
     state = {"epoch": 0, "model": model.state_dict(), "optimizer": opt.state_dict(),
              "rng": torch.get_rng_state(), "sampler_indices": sampler_indices(rank),

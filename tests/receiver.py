@@ -1,6 +1,6 @@
 """A small test receiver for hook events: a real Unix stream socket server in one thread.
 
-It speaks the wire contract of monitor/events.py (FrameReader + decode) and records every
+It speaks the wire contract of ckptwatch/events.py (FrameReader + decode) and records every
 decoded event with the peer's pid from SO_PEERCRED, so tests can see exactly what an agent would.
 
     with Receiver(path) as rx:
@@ -16,7 +16,7 @@ import struct
 import threading
 
 from helpers import wait_for
-from monitor import events
+from ckptwatch import events
 
 _PEERCRED = struct.Struct("3i")
 

@@ -11,7 +11,7 @@ import pytest
 
 from agentproc import EventSender, launch_agent, start_agent
 from helpers import wait_for
-from monitor import events
+from ckptwatch import events
 
 # Settle quickly so a collision is final ~0.2 s after its last write ends.
 FAST = ("--collision.settle", "0.2")
@@ -214,8 +214,8 @@ def test_unusable_journal_path_exits_1(workdir):
 TRAINER = r"""
 import os, sys
 import torch
-import monitor
-monitor.install()
+import ckptwatch
+ckptwatch.install()
 out = sys.argv[1]
 for line in sys.stdin:                      # one save per line from the test
     torch.save({"step": int(line)}, os.path.join(out, f"step{int(line)}.pt"))
@@ -260,8 +260,8 @@ def test_instrumented_process_keeps_reporting_across_an_agent_restart(workdir, s
 TEARING_TRAINER = r"""
 import os, sys
 import torch
-import monitor
-monitor.install()
+import ckptwatch
+ckptwatch.install()
 out = sys.argv[1]
 torch.save({"w": torch.arange(100_000)}, os.path.join(out, "good.pt"))
 bad = os.path.join(out, "torn.pt")

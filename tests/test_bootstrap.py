@@ -1,4 +1,4 @@
-"""monitor.bootstrap: sitecustomize start-up, post-import hook, chaining, kill switch.
+"""ckptwatch.bootstrap: sitecustomize start-up, post-import hook, chaining, kill switch.
 
 Every case runs a fresh interpreter with the bootstrap directory on PYTHONPATH, the way
 `ckptwatch run` starts processes. A tiny fake `torch` package (save + serialization) makes the
@@ -14,7 +14,7 @@ import textwrap
 import pytest
 
 from helpers import REPO_ROOT, subprocess_env
-from monitor.bootstrap import BOOTSTRAP_DIR
+from ckptwatch.bootstrap import BOOTSTRAP_DIR
 from receiver import Receiver
 
 PY = sys.executable
@@ -82,7 +82,7 @@ def test_bare_python_without_ckptwatch_installed_gets_patched_on_import(fake_tor
     with Receiver(sock) as rx:
         result = run("""
             import importlib, json, sys
-            from monitor import hook
+            from ckptwatch import hook
             before = "torch" in sys.modules
             import torch
             torch.save({"a": 1}, "x.pt")
@@ -96,7 +96,7 @@ def test_bare_python_without_ckptwatch_installed_gets_patched_on_import(fake_tor
 def test_post_import_hook_leaves_the_import_system_as_it_was(fake_torch, tmp_path):
     result = run("""
         import importlib, importlib.machinery, json, sys
-        from monitor import hook
+        from ckptwatch import hook
         def watching():
             return any(type(f).__name__ == "TorchImportWatcher" for f in sys.meta_path)
         watching_before = watching()
@@ -125,7 +125,7 @@ def test_failed_torch_import_is_untouched_and_a_retry_is_patched(fake_torch, tmp
     mark = str(tmp_path / "failed-once")
     result = run("""
         import json, sys
-        from monitor import hook
+        from ckptwatch import hook
         try:
             import torch
             first = "imported"
@@ -145,7 +145,7 @@ def test_real_torch_is_patched_right_after_import(sock, tmp_path):
             import json, os
             import torch
             from torch import save        # bound after the post-import patch: reported
-            from monitor import hook
+            from ckptwatch import hook
             save(torch.zeros(2), "early.pt")
             print(json.dumps({"installed": hook.is_installed(), "pid": os.getpid()}))
             """, bootstrap_env(CKPTWATCH_SOCKET=sock), str(tmp_path))
@@ -160,8 +160,8 @@ def test_process_without_torch_pays_nothing(tmp_path):
     result = run("""
         import json, sys, threading
         print(json.dumps({"torch": "torch" in sys.modules,
-                          "hook": "monitor.hook" in sys.modules,
-                          "emitter": "monitor.emitter" in sys.modules,
+                          "hook": "ckptwatch.hook" in sys.modules,
+                          "emitter": "ckptwatch.emitter" in sys.modules,
                           "threads": threading.active_count(),
                           "watching": [type(f).__name__ for f in sys.meta_path
                                        if type(f).__name__ == "TorchImportWatcher"]}))
@@ -175,7 +175,8 @@ def test_initialize_installs_at_once_when_torch_is_already_imported(fake_torch, 
     env["PYTHONPATH"] = os.pathsep.join([fake_torch, REPO_ROOT])
     result = run("""
         import json, torch
-        from monitor import bootstrap, hook
+        from ckptwatch import bootstrap
+        from ckptwatch import hook
         bootstrap.initialize()
         print(json.dumps({"installed": hook.is_installed()}))
         """, env, str(tmp_path))
@@ -186,8 +187,8 @@ def test_disable_turns_the_bootstrap_off(fake_torch, tmp_path):
     result = run("""
         import json, sys
         import torch
-        print(json.dumps({"bootstrap": "monitor.bootstrap" in sys.modules,
-                          "hook": "monitor.hook" in sys.modules,
+        print(json.dumps({"bootstrap": "ckptwatch.bootstrap" in sys.modules,
+                          "hook": "ckptwatch.hook" in sys.modules,
                           "patched": hasattr(torch.save, "__ckptwatch_original__")}))
         """, bootstrap_env(fake_torch, CKPTWATCH_DISABLE="1"), str(tmp_path))
     assert result == {"bootstrap": False, "hook": False, "patched": False}
@@ -229,12 +230,18 @@ def test_broken_user_sitecustomize_does_not_break_start_up(fake_torch, tmp_path)
     assert "user bug" in out.stderr          # reported, as Python itself would
 
 
+@pytest.mark.parametrize("kind", ["module", "package"])
 @pytest.mark.parametrize("order", ["monitor-first", "torch-first"])
-def test_users_own_monitor_module_is_not_shadowed(fake_torch, sock, tmp_path, order):
-    # Our package is called `monitor`; a training repo may have a monitor.py of its own.
+def test_users_own_monitor_module_is_not_shadowed(fake_torch, sock, tmp_path, order, kind):
+    # The agent's package is called `monitor`, a name a training repo may use for a module or a
+    # package of its own; the training side (`ckptwatch`) must neither need nor shadow it.
     project = tmp_path / "project"
     project.mkdir()
-    (project / "monitor.py").write_text("WHO = 'user'\n")
+    if kind == "module":
+        (project / "monitor.py").write_text("WHO = 'user'\n")
+    else:
+        (project / "monitor").mkdir()
+        (project / "monitor" / "__init__.py").write_text("WHO = 'user'\n")
     imports = "import monitor, torch" if order == "monitor-first" else "import torch, monitor"
     (project / "train.py").write_text(textwrap.dedent(f"""
         import json, os

@@ -7,7 +7,8 @@ import sys
 import pytest
 
 from helpers import REPO_ROOT, subprocess_env
-from monitor import config, paths
+from monitor import config
+from ckptwatch import paths
 from monitor.config import Config, ConfigError, load
 
 

@@ -1,10 +1,10 @@
-"""monitor.crc: the accelerated CRC32 must agree with zlib's bit for bit, and a broken or
+"""monitor.verify.crc: the accelerated CRC32 must agree with zlib's bit for bit, and a broken or
 missing accelerator must fall back to zlib rather than call every checkpoint corrupt."""
 import os
 import random
 import zlib
 
-from monitor import crc
+from monitor.verify import crc
 
 
 def test_backend_agrees_with_zlib_including_chained_calls():

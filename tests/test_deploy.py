@@ -14,7 +14,7 @@ import yaml
 
 from exporters.prometheus import build_registry, MetricsState
 from helpers import REPO_ROOT
-from monitor.model import KIND_CONCURRENT, Collision, Write, Writer
+from monitor.detect.model import KIND_CONCURRENT, Collision, Write, Writer
 
 DEPLOY = os.path.join(REPO_ROOT, "deploy")
 PROM_DIR = os.path.join(DEPLOY, "prometheus")

@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from monitor.detector import MAX_CHAIN_WRITES, OUTCOME_LOST, Detector, collision_id
-from monitor.model import KIND_CONCURRENT, KIND_REDUNDANT, Collision, Write
+from monitor.detect.detector import MAX_CHAIN_WRITES, OUTCOME_LOST, Detector, collision_id
+from monitor.detect.model import KIND_CONCURRENT, KIND_REDUNDANT, Collision, Write
 
 WALL0 = 1_700_000_000.0
 PATH = "/ckpt/last.pt"
@@ -484,9 +484,9 @@ def test_random_intervals_match_brute_force_reference(seed):
 
 
 def test_a_storm_of_overlapping_writes_stays_bounded(monkeypatch):
-    import monitor.detector
+    import monitor.detect.detector
     MAX_PATH_WRITES = 64
-    monkeypatch.setattr(monitor.detector, "MAX_PATH_WRITES", MAX_PATH_WRITES)
+    monkeypatch.setattr(monitor.detect.detector, "MAX_PATH_WRITES", MAX_PATH_WRITES)
     clock = FakeClock(0.0)
     det = make(clock)
     out = []

@@ -27,7 +27,7 @@ def _clean_env() -> dict:
 
 
 def _fanotify_unusable() -> str:
-    from monitor import fanotify
+    from monitor.fs import fanotify
     return fanotify.available("/tmp")[1]
 
 
@@ -63,7 +63,7 @@ def torchrun(out: str, mode: str, *, hook_socket: str | None = None) -> str:
     env = _clean_env()
     env.update({"CKPTWATCH_JOB": job, "OMP_NUM_THREADS": "1"})
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-           str(NPROC), "-m", "monitor.demo_job", "--out", out, "--save", mode,
+           str(NPROC), "-m", "monitor.cli.demo_job", "--out", out, "--save", mode,
            "--width", "2048"]
     if hook_socket:
         cmd = [sys.executable, "-m", "monitor.cli", "run", "--socket", hook_socket, "--"] + cmd
@@ -155,7 +155,7 @@ def test_polling_verifies_what_a_race_left_on_disk(watched):
     agent, root, mode, attribution = watched
     if mode != "polling":
         pytest.skip("the polling mode's guarantee")
-    from monitor.integrity import verify
+    from monitor.verify.integrity import verify
     out = os.path.join(root, "race")
     torchrun(out, "every-rank")
     path = os.path.join(out, "last.pt")

@@ -35,14 +35,14 @@ def agent():
 
 
 def run_job(agent, mode: str, *, nproc: int = NPROC, extra_env=None, extra_args=()) -> tuple[str, str]:
-    """Run monitor.demo_job under `ckptwatch run` (the real CLI); return (job id, out dir)."""
+    """Run monitor.cli.demo_job under `ckptwatch run` (the real CLI); return (job id, out dir)."""
     job = f"e2e-{mode}-{uuid.uuid4().hex[:8]}"
     out = os.path.join(short_tmpdir("cwo"), "ckpt")
     env = {k: v for k, v in os.environ.items() if not k.startswith("CKPTWATCH_")}
     env.update({"CKPTWATCH_JOB": job, "OMP_NUM_THREADS": "1"}, **(extra_env or {}))
     cmd = [sys.executable, "-m", "monitor.cli", "run", "--socket", agent.socket, "--",
            sys.executable, "-m", "torch.distributed.run", "--standalone",
-           "--nproc-per-node", str(nproc), "-m", "monitor.demo_job", "--out", out,
+           "--nproc-per-node", str(nproc), "-m", "monitor.cli.demo_job", "--out", out,
            "--save", mode, *extra_args]
     result = subprocess.run(cmd, env=env, cwd=REPO_ROOT, capture_output=True, text=True,
                             timeout=240)
@@ -72,7 +72,7 @@ def test_every_rank_saving_one_path_is_one_concurrent_collision_naming_all_ranks
     assert sorted(w["rank"] for w in c["writers"]) == [0, 1, 2, 3]
     assert len({w["pid"] for w in c["writers"]}) == NPROC
     # The call site is the user's line in demo_job.py, not torch's or ours.
-    assert all(w["site"].startswith(os.path.join(REPO_ROOT, "monitor", "demo_job.py") + ":")
+    assert all(w["site"].startswith(os.path.join(REPO_ROOT, "monitor", "cli", "demo_job.py") + ":")
                for w in c["writers"]), [w["site"] for w in c["writers"]]
     assert all(w["func"] == "save_checkpoint" for w in c["writers"])
     assert c["first"]["rank"] in (0, 1, 2, 3) and c["last"]["rank"] in (0, 1, 2, 3)
@@ -80,7 +80,7 @@ def test_every_rank_saving_one_path_is_one_concurrent_collision_naming_all_ranks
     # The agent verifies the file once the writers are done, and links the verdict to the
     # collision. Whether this particular race tore the file is up to the scheduler, so the
     # test's own deep check decides which outcome to expect.
-    from monitor.integrity import verify
+    from monitor.verify.integrity import verify
     truth = verify(path, deep=True)
     if truth.status == "corrupt":
         record = wait_for(lambda: [r for r in agent.journal_records()
@@ -153,7 +153,7 @@ def test_two_nodes_with_local_rank0_guard_collide_on_shared_storage(agent):
                sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
                "--node-rank", str(node_rank), "--nproc-per-node", "2",
                "--master-addr", "127.0.0.1", "--master-port", str(port),
-               "-m", "monitor.demo_job", "--out", out, "--save", "local-rank0"]
+               "-m", "monitor.cli.demo_job", "--out", out, "--save", "local-rank0"]
         procs.append(subprocess.Popen(cmd, env=env, cwd=REPO_ROOT, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True))
     for p in procs:

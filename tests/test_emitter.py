@@ -1,4 +1,4 @@
-"""monitor.emitter: bounded non-blocking queue, reconnect, drops, fork, exit flush.
+"""ckptwatch.emitter: bounded non-blocking queue, reconnect, drops, fork, exit flush.
 
 In-process tests use private Emitter instances and shut them down (no thread may leak);
 fork and exit behaviour run in fresh subprocesses.
@@ -12,8 +12,8 @@ import time
 import pytest
 
 from helpers import REPO_ROOT, subprocess_env, wait_for
-from monitor import events
-from monitor.emitter import Emitter
+from ckptwatch import events
+from ckptwatch.emitter import Emitter
 from receiver import Receiver
 
 PY = sys.executable
@@ -183,7 +183,7 @@ def test_exit_flush_delivers_events_of_a_short_lived_process(sock):
     child = subprocess.Popen(
         [PY, "-c", EVENT_CODE + """
 import sys
-from monitor.emitter import get_emitter
+from ckptwatch.emitter import get_emitter
 for seq in range(1, 51):
     get_emitter().emit(ev(seq))
 time.sleep(1.6)
@@ -210,7 +210,7 @@ sys.stdin.readline()
 def test_exit_without_agent_does_not_wait_for_the_flush_timeout(sock):
     started = time.monotonic()
     out = _child(EVENT_CODE + """
-from monitor.emitter import get_emitter
+from ckptwatch.emitter import get_emitter
 get_emitter().emit(ev(1))
 print(get_emitter().stats()["queued"])
 """, sock, CKPTWATCH_FLUSH_TIMEOUT="30")
@@ -223,7 +223,7 @@ def test_fork_child_gets_fresh_connection_and_its_own_pid(sock):
     with Receiver(sock) as rx:
         out = _child(EVENT_CODE + """
 import sys
-from monitor.emitter import get_emitter
+from ckptwatch.emitter import get_emitter
 em = get_emitter()
 em.emit(ev(1))
 assert em.flush(5)
@@ -252,7 +252,7 @@ print(pid, os.waitstatus_to_exitcode(status))
 
 def test_get_emitter_uses_ckptwatch_socket(sock):
     out = _child("""
-from monitor.emitter import get_emitter
+from ckptwatch.emitter import get_emitter
 print(get_emitter().socket_path, get_emitter() is get_emitter())
 """, sock)
     assert out.stdout.split() == [sock, "True"]
@@ -260,12 +260,12 @@ print(get_emitter().socket_path, get_emitter() is get_emitter())
 
 def test_flush_timeout_env_override(sock):
     out = _child("""
-from monitor.emitter import _flush_timeout_from_env
+from ckptwatch.emitter import _flush_timeout_from_env
 print(_flush_timeout_from_env(0.5))
 """, sock, CKPTWATCH_FLUSH_TIMEOUT="2.5")
     assert out.stdout.strip() == "2.5"
     out = _child("""
-from monitor.emitter import _flush_timeout_from_env
+from ckptwatch.emitter import _flush_timeout_from_env
 print(_flush_timeout_from_env(0.5))
 """, sock, CKPTWATCH_FLUSH_TIMEOUT="soon")
     assert out.stdout.strip() == "0.5"

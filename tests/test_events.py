@@ -1,4 +1,4 @@
-"""monitor.events: the wire contract — encode/decode, every reject reason, framing, fixtures.
+"""ckptwatch.events: the wire contract — encode/decode, every reject reason, framing, fixtures.
 
 Golden fixtures in tests/fixtures/events/: valid/*.json must keep decoding unchanged forever;
 invalid/<reason>__<name>.json must keep being rejected with that reason.
@@ -11,8 +11,8 @@ import struct
 import pytest
 
 from helpers import REPO_ROOT
-from monitor import events
-from monitor.events import EventError, FrameReader, decode, encode, validate
+from ckptwatch import events
+from ckptwatch.events import EventError, FrameReader, decode, encode, validate
 
 FIXTURES = os.path.join(REPO_ROOT, "tests", "fixtures", "events")
 VALID = sorted(glob.glob(os.path.join(FIXTURES, "valid", "*.json")))
@@ -226,7 +226,7 @@ def test_golden_invalid_fixture_keeps_its_reject_reason(path):
 
 
 def test_decode_many_matches_decode_one_by_one_whatever_is_mixed_in():
-    from monitor.events import decode_many
+    from ckptwatch.events import decode_many
     good = [payload(encode(start(seq=i))) for i in range(5)]
     nasty = [b"", b" ", b"1,2", b"{}", b'{"v":2}', b"\xff\xfe", b"[", b"]", b"null",
              b'{"a":1},{"b":2}', payload(encode(start(pid=0)))]

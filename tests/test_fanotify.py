@@ -11,12 +11,13 @@ import threading
 import pytest
 
 from helpers import wait_for
-from monitor import events, fanotify
-from monitor.fanotify import (FAN_CLOSE_NOWRITE, FAN_CLOSE_WRITE, FAN_MODIFY, FAN_OPEN,
+from ckptwatch import events
+from monitor.fs import fanotify
+from monitor.fs.fanotify import (FAN_CLOSE_NOWRITE, FAN_CLOSE_WRITE, FAN_MODIFY, FAN_OPEN,
                               FanEvent, FanotifyWatcher)
-from monitor.fstracker import ExactAttribution, WriteTracker
-from monitor.fswatch import FsEvent
-from monitor.procscan import ProcScanner, ProcWriter
+from monitor.fs.tracker import ExactAttribution, WriteTracker
+from monitor.fs.watch import FsEvent
+from monitor.fs.procscan import ProcScanner, ProcWriter
 
 
 WHY_NOT = fanotify.available("/tmp")[1]       # '' when this process can mark mounts
@@ -327,7 +328,7 @@ def test_a_checkpoint_renamed_keeps_its_writer():
 
 
 def test_auto_falls_back_to_proc_and_forced_fanotify_is_a_clear_error(monkeypatch, tmp_path):
-    from monitor.fssource import FsSource
+    from monitor.fs.source import FsSource
 
     class Denied:
         def __init__(self):

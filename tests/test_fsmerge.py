@@ -1,5 +1,5 @@
-"""monitor.fsmerge: a save seen by the hook and the watcher is one write with two witnesses."""
-from monitor.fsmerge import SourceMerger
+"""monitor.detect.merge: a save seen by the hook and the watcher is one write with two witnesses."""
+from monitor.detect.merge import SourceMerger
 
 
 class Clock:

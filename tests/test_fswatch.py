@@ -12,10 +12,12 @@ import threading
 import pytest
 
 from helpers import subprocess_env, wait_for
-from monitor import events, fstracker, fswatch
-from monitor.fstracker import WriteTracker
-from monitor.fswatch import FsEvent, Watcher
-from monitor.procscan import ProcScanner, ProcWriter
+from ckptwatch import events
+from monitor.fs import tracker as fstracker
+from monitor.fs import watch as fswatch
+from monitor.fs.tracker import WriteTracker
+from monitor.fs.watch import FsEvent, Watcher
+from monitor.fs.procscan import ProcScanner, ProcWriter
 
 MODES = ["inotify", "polling"]
 POLL = 0.1

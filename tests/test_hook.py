@@ -1,4 +1,4 @@
-"""monitor.hook: every import/install/uninstall order runs in a fresh Python process.
+"""ckptwatch.hook: every import/install/uninstall order runs in a fresh Python process.
 
 Each child script reports what it saw as one JSON line on stdout; the events it sent are
 collected by a real Unix socket receiver in the test process.
@@ -57,8 +57,8 @@ def line_of(workdir: str, marker: str) -> int:
 
 def test_install_after_import_reports_start_and_end(rx, sock, workdir):
     result = run_script(workdir, """
-        import json, os, torch, monitor
-        ok = monitor.install()
+        import json, os, torch, ckptwatch
+        ok = ckptwatch.install()
         def save_checkpoint():
             torch.save({"w": torch.zeros(4)}, "ckpt.pt")  # SAVE-HERE
         save_checkpoint()
@@ -90,15 +90,15 @@ def test_install_after_import_reports_start_and_end(rx, sock, workdir):
 
 def test_install_twice_unininstall_twice_no_double_wrap(rx, sock, workdir):
     result = run_script(workdir, """
-        import json, torch, torch.serialization, monitor
-        from monitor import hook
+        import json, torch, torch.serialization, ckptwatch
+        from ckptwatch import hook
         original = torch.save
-        first, second = monitor.install(), monitor.install()
+        first, second = ckptwatch.install(), ckptwatch.install()
         wrapped = torch.save
         same = torch.save is torch.serialization.save
         inner = getattr(torch.save, hook.MARKER)
         torch.save(1, "a.pt")
-        u1, u2 = monitor.uninstall(), monitor.uninstall()
+        u1, u2 = ckptwatch.uninstall(), ckptwatch.uninstall()
         torch.save(2, "b.pt")   # not reported any more
         print(json.dumps({"first": first, "second": second, "same": same,
                           "inner_is_original": inner is original,
@@ -116,15 +116,15 @@ def test_install_twice_unininstall_twice_no_double_wrap(rx, sock, workdir):
 
 def test_install_before_torch_import_patches_when_torch_arrives(rx, sock, workdir):
     result = run_script(workdir, """
-        import json, sys, monitor
-        early = monitor.install()
+        import json, sys, ckptwatch
+        early = ckptwatch.install()
         imported_early = "torch" in sys.modules
         import torch
-        from monitor import hook
+        from ckptwatch import hook
         torch.save(1, "early.pt")
         print(json.dumps({"early": early, "imported_early": imported_early,
                           "installed": hook.is_installed(),
-                          "again": monitor.install()}))
+                          "again": ckptwatch.install()}))
         """, sock)
     assert result == {"early": False, "imported_early": False, "installed": True,
                       "again": False}
@@ -134,9 +134,9 @@ def test_install_before_torch_import_patches_when_torch_arrives(rx, sock, workdi
 
 def test_uninstall_leaves_a_later_foreign_wrapper_alone(rx, sock, workdir):
     result = run_script(workdir, """
-        import functools, json, torch, torch.serialization, monitor
+        import functools, json, torch, torch.serialization, ckptwatch
         original = torch.save
-        monitor.install()
+        ckptwatch.install()
         ours = torch.save
         calls = []
         @functools.wraps(ours)             # copies our marker attribute too
@@ -144,11 +144,11 @@ def test_uninstall_leaves_a_later_foreign_wrapper_alone(rx, sock, workdir):
             calls.append(1)
             return ours(*args, **kwargs)
         torch.save = theirs
-        restored = monitor.uninstall()
+        restored = ckptwatch.uninstall()
         after_uninstall = {"torch_save_is_theirs": torch.save is theirs,
                            "serialization_restored": torch.serialization.save is original}
         torch.save(1, "quiet.pt")          # goes through theirs -> our (inactive) wrapper
-        reinstalled = monitor.install()
+        reinstalled = ckptwatch.install()
         torch.save(2, "loud.pt")           # ours(theirs(ours-inactive)): reported once
         print(json.dumps({"restored": restored, **after_uninstall,
                           "reinstalled": reinstalled, "calls": len(calls)}))
@@ -163,7 +163,7 @@ def test_uninstall_leaves_a_later_foreign_wrapper_alone(rx, sock, workdir):
 
 def test_return_value_and_exception_identity(rx, sock, workdir):
     result = run_script(workdir, """
-        import json, torch, torch.serialization, monitor
+        import json, torch, torch.serialization, ckptwatch
         sentinel = object()
         boom = OSError(28, "No space left on device")
         def fake_save(obj, f, *args, **kwargs):
@@ -172,7 +172,7 @@ def test_return_value_and_exception_identity(rx, sock, workdir):
                 raise boom
             return sentinel
         torch.save = torch.serialization.save = fake_save
-        monitor.install()
+        ckptwatch.install()
         returned = torch.save("ok", "ret.pt", pickle_protocol=4)
         try:
             torch.save("fail", "err.pt")
@@ -193,8 +193,8 @@ def test_return_value_and_exception_identity(rx, sock, workdir):
 
 def test_real_torch_failure_records_the_exception_type(rx, sock, workdir):
     result = run_script(workdir, """
-        import json, torch, monitor
-        monitor.install()
+        import json, torch, ckptwatch
+        ckptwatch.install()
         try:
             torch.save(1, "no/such/dir/x.pt")
         except Exception as exc:
@@ -208,8 +208,8 @@ def test_real_torch_failure_records_the_exception_type(rx, sock, workdir):
 
 def test_path_kinds_and_file_objects(rx, sock, workdir):
     result = run_script(workdir, """
-        import io, json, os, pathlib, torch, monitor
-        monitor.install()
+        import io, json, os, pathlib, torch, ckptwatch
+        ckptwatch.install()
         torch.save(1, "rel.pt")
         torch.save(2, pathlib.Path("pathlike.pt"))
         try:
@@ -238,9 +238,9 @@ def test_path_kinds_and_file_objects(rx, sock, workdir):
 
 def test_many_saves_into_one_open_file_are_one_write(rx, sock, workdir):
     result = run_script(workdir, """
-        import json, torch, monitor
-        from monitor import hook
-        monitor.install()
+        import json, torch, ckptwatch
+        from ckptwatch import hook
+        ckptwatch.install()
         with open("shard.distcp", "wb") as f:
             for i in range(200):
                 torch.save(torch.full((4,), i), f)    # what torch.distributed.checkpoint does
@@ -258,9 +258,9 @@ def test_agent_absent_save_succeeds_without_waiting(workdir, sockdir):
     missing = os.path.join(sockdir, "nobody-listens.sock")
     started = time.monotonic()
     result = run_script(workdir, """
-        import json, time, torch, monitor
-        from monitor.emitter import get_emitter
-        monitor.install()
+        import json, time, torch, ckptwatch
+        from ckptwatch.emitter import get_emitter
+        ckptwatch.install()
         slowest = 0.0
         for i in range(20):
             t0 = time.monotonic()
@@ -281,8 +281,8 @@ def test_agent_restarted_mid_run(sock, workdir):
     script = os.path.join(workdir, "child.py")
     with open(script, "w") as f:
         f.write(textwrap.dedent("""
-            import sys, torch, monitor
-            monitor.install()
+            import sys, torch, ckptwatch
+            ckptwatch.install()
             for line in sys.stdin:
                 torch.save(1, line.strip())
                 print("saved", flush=True)
@@ -317,9 +317,9 @@ def test_agent_restarted_mid_run(sock, workdir):
 
 def test_fork_child_events_carry_the_child_pid(rx, sock, workdir):
     result = run_script(workdir, """
-        import json, os, torch, monitor
-        from monitor.emitter import get_emitter
-        monitor.install()
+        import json, os, torch, ckptwatch
+        from ckptwatch.emitter import get_emitter
+        ckptwatch.install()
         torch.save(0, "parent.pt")
         pid = os.fork()
         if pid == 0:
@@ -342,10 +342,10 @@ def test_fork_child_events_carry_the_child_pid(rx, sock, workdir):
 
 def test_disabled_install_is_a_no_op(rx, sock, workdir):
     result = run_script(workdir, """
-        import json, torch, monitor
-        from monitor import hook
+        import json, torch, ckptwatch
+        from ckptwatch import hook
         original = torch.save
-        ok = monitor.install()
+        ok = ckptwatch.install()
         torch.save(1, "x.pt")
         print(json.dumps({"ok": ok, "untouched": torch.save is original,
                           "installed": hook.is_installed()}))
@@ -357,9 +357,9 @@ def test_disabled_install_is_a_no_op(rx, sock, workdir):
 
 def test_policy_warn_and_atomic_act_as_observe(rx, sock, workdir):
     result = run_script(workdir, """
-        import json, torch, monitor
-        from monitor import hook
-        ok = monitor.install()
+        import json, torch, ckptwatch
+        from ckptwatch import hook
+        ok = ckptwatch.install()
         torch.save(1, "x.pt")
         print(json.dumps({"ok": ok, "policy": hook.policy()}))
         """, sock, CKPTWATCH_POLICY="atomic")
@@ -370,9 +370,9 @@ def test_policy_warn_and_atomic_act_as_observe(rx, sock, workdir):
 def test_from_torch_import_save_before_install_keeps_the_original(rx, sock, workdir):
     # The documented limit: a name bound before the patch is not reported.
     result = run_script(workdir, """
-        import json, torch, monitor
+        import json, torch, ckptwatch
         from torch import save as early_save
-        monitor.install()
+        ckptwatch.install()
         early_save(1, "unseen.pt")
         torch.save(1, "seen.pt")
         print(json.dumps({}))
@@ -385,8 +385,8 @@ def test_from_torch_import_save_before_install_keeps_the_original(rx, sock, work
 
 def test_save_path_never_imports_extra_modules(rx, sock, workdir):
     result = run_script(workdir, """
-        import json, sys, torch, monitor
-        monitor.install()
+        import json, sys, torch, ckptwatch
+        ckptwatch.install()
         torch.save(1, "x.pt")
         print(json.dumps({m: m in sys.modules
                           for m in ("psutil", "watchdog", "prometheus_client")}))
@@ -398,11 +398,11 @@ def test_save_path_never_imports_extra_modules(rx, sock, workdir):
 def test_torch_distributed_checkpoint_shard_is_one_write(rx, sock, workdir):
     # DCP saves every tensor with torch.save into one open shard file (wrapped per tensor).
     result = run_script(workdir, """
-        import json, os, warnings, torch, monitor
+        import json, os, warnings, torch, ckptwatch
         warnings.simplefilter("ignore")
         import torch.distributed.checkpoint as dcp
-        from monitor import hook
-        monitor.install()
+        from ckptwatch import hook
+        ckptwatch.install()
         dcp.save({f"w{i}": torch.randn(8) for i in range(50)},
                  checkpoint_id=os.path.abspath("dcp"))
         print(json.dumps({**hook.stats(),
@@ -419,9 +419,9 @@ def test_torch_distributed_checkpoint_shard_is_one_write(rx, sock, workdir):
 
 def test_threads_saving_concurrently_are_each_reported(rx, sock, workdir):
     result = run_script(workdir, """
-        import json, threading, torch, monitor
-        from monitor import hook
-        monitor.install()
+        import json, threading, torch, ckptwatch
+        from ckptwatch import hook
+        ckptwatch.install()
         def work(n):
             for i in range(10):
                 torch.save(i, f"t{n}.pt")

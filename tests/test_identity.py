@@ -1,4 +1,4 @@
-"""monitor.identity: rank/node/job from torchrun, SLURM and Open MPI environments."""
+"""ckptwatch.identity: rank/node/job from torchrun, SLURM and Open MPI environments."""
 import json
 import os
 import socket
@@ -6,8 +6,8 @@ import subprocess
 import sys
 
 from helpers import REPO_ROOT, subprocess_env
-from monitor import identity as identity_mod
-from monitor.identity import from_environ
+from ckptwatch import identity as identity_mod
+from ckptwatch.identity import from_environ
 
 PY = sys.executable
 
@@ -125,7 +125,7 @@ def _run(code: str, **env) -> dict:
 def test_fork_child_gets_its_own_pid():
     result = _run("""
 import json, os
-from monitor.identity import identity
+from ckptwatch.identity import identity
 parent = identity()
 r, w = os.pipe()
 pid = os.fork()
@@ -144,7 +144,7 @@ print(json.dumps({"parent": parent["pid"], "child": child["pid"], "forked": pid,
 def test_identity_never_imports_torch():
     result = _run("""
 import json, sys
-from monitor.identity import identity
+from ckptwatch.identity import identity
 identity()
 print(json.dumps({"torch": "torch" in sys.modules}))
 """)
@@ -156,7 +156,7 @@ def test_falls_back_to_initialised_torch_distributed():
     result = _run(f"""
 import json
 import torch.distributed as dist
-from monitor.identity import identity
+from ckptwatch.identity import identity
 before = identity()["rank"]
 dist.init_process_group("gloo", init_method="tcp://127.0.0.1:{port}", rank=0, world_size=1)
 after = identity()
@@ -168,7 +168,7 @@ print(json.dumps({{"before": before, "rank": after["rank"], "world": after["worl
 
 
 def test_node_rank_from_lightning_style_NODE_RANK():
-    from monitor.identity import from_environ
+    from ckptwatch.identity import from_environ
     assert from_environ({"NODE_RANK": "3"})["node_rank"] == 3
     # torchrun's GROUP_RANK wins where both are set.
     assert from_environ({"NODE_RANK": "3", "GROUP_RANK": "1"})["node_rank"] == 1

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from helpers import wait_for
-from monitor import events
+from ckptwatch import events
 from monitor.ingest import AgentAlreadyRunning, IngestError, IngestServer
 
 
@@ -153,7 +153,7 @@ def test_good_client_unaffected_by_bad_one(server):
 SENDER = """
 import os, socket, sys, time
 sys.path.insert(0, {root!r})
-from monitor import events
+from ckptwatch import events
 s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
 s.connect({path!r})
 ev = {{"v": 1, "type": "start", "node": "n", "pid": os.getpid() + int(sys.argv[1]), "seq": 0,

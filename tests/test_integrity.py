@@ -1,4 +1,4 @@
-"""monitor/integrity.py against real checkpoints: clean ones of many shapes (zero false
+"""monitor/verify/integrity.py against real checkpoints: clean ones of many shapes (zero false
 positives), files torn by real 4-rank torchrun races, hand-made damage, and lookalikes."""
 from __future__ import annotations
 
@@ -15,8 +15,9 @@ import pytest
 import torch
 
 import corpus
-from monitor import integrity, picklescan
-from monitor.integrity import CORRUPT, OK, UNVERIFIABLE, verify
+from monitor.verify import integrity
+from monitor.verify import picklescan
+from monitor.verify.integrity import CORRUPT, OK, UNVERIFIABLE, verify
 
 
 @pytest.fixture(scope="module")
@@ -454,11 +455,11 @@ def test_demo_job_race(tmp_path):
     import sys
 
     from helpers import subprocess_env
-    from monitor.demo_job import consistency
+    from monitor.cli.demo_job import consistency
     out = tmp_path / "demo"
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-         "4", "-m", "monitor.demo_job", "--out", str(out), "--save", "every-rank",
+         "4", "-m", "monitor.cli.demo_job", "--out", str(out), "--save", "every-rank",
          "--width", "2048"], env=subprocess_env(OMP_NUM_THREADS=1), capture_output=True,
         text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]

@@ -6,7 +6,7 @@ import pytest
 
 from exporters.journal import (SYSTEM_JOURNAL_PATH, Journal, JournalError, ReadStats,
                                default_journal_path, journal_files, read_records)
-from monitor.model import Collision, Write, Writer
+from monitor.detect.model import Collision, Write, Writer
 
 
 def make_write(pid=11, rank=0, start=1000.0, dur=0.5, path="/ckpt/last.pt", seq=1):
@@ -139,7 +139,7 @@ def test_fast_write_record_equals_the_model_record():
     """exporters.journal.write_record is a hand-built copy of Write.to_record for speed: the
     two must never drift apart (same keys, same order, same values)."""
     from exporters.journal import write_record
-    from monitor.model import Write, Writer
+    from monitor.detect.model import Write, Writer
     for writer in (Writer(node="n", pid=3), Writer("n2", 4, 1, 1, 8, 4, 0, "j", "h:1", 2)):
         for end in (None, 12.5):
             w = Write(writer=writer, path="/c/x.pt", seq=7, start_wall=100.0, start_mono=10.0,

@@ -1,6 +1,6 @@
 """The WARNING line per collision."""
 from exporters.logline import MAX_WRITERS_LISTED, collision_message
-from monitor.model import Collision, Write, Writer
+from monitor.detect.model import Collision, Write, Writer
 
 
 def write(pid, rank, start, end, node="n1", site="train.py:42", func="save_checkpoint",

@@ -8,8 +8,8 @@ import sys
 import psutil
 
 from helpers import subprocess_env, wait_for
-from monitor import procscan
-from monitor.procscan import ProcScanner, ProcWriter, mode_from_flags
+from monitor.fs import procscan
+from monitor.fs.procscan import ProcScanner, ProcWriter, mode_from_flags
 
 # Opens argv[1] with mode argv[2], writes a little, says "ready", holds it until stdin closes.
 HOLDER = r"""

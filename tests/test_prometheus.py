@@ -15,9 +15,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from exporters.prometheus import (DURATION_BUCKETS, MetricsServer, MetricsState,
                                   build_registry, parse_listen_address)
-from monitor.events import REJECT_REASONS
-from monitor.model import KIND_CONCURRENT, KIND_REDUNDANT, Collision, Write, Writer
-from monitor.version import __version__
+from ckptwatch.events import REJECT_REASONS
+from monitor.detect.model import KIND_CONCURRENT, KIND_REDUNDANT, Collision, Write, Writer
+from ckptwatch.version import __version__
 
 PATH = "/data/run-7/checkpoints/last.pt"
 
@@ -364,7 +364,7 @@ def test_real_scrape_passes_promtool_check_metrics(server):
 
 
 def test_collision_source_label_one_sample_per_collision(state):
-    from monitor.model import SOURCE_FS
+    from monitor.detect.model import SOURCE_FS
     both = Collision(path=PATH, kind=KIND_CONCURRENT, sources=("fs", "hook"),
                      writes=(write(pid=1), write(pid=2, start=10.1)), detected_wall=5.0)
     fs_only = Collision(path=PATH, kind=KIND_CONCURRENT, sources=(SOURCE_FS,),

@@ -7,7 +7,7 @@ import pytest
 
 from exporters.prometheus import MetricsServer, MetricsState, build_registry
 from helpers import REPO_ROOT
-from monitor.model import KIND_CONCURRENT, Collision, Write, Writer
+from monitor.detect.model import KIND_CONCURRENT, Collision, Write, Writer
 from prom import start_prometheus, wait_for_query
 
 RULES = os.path.join(REPO_ROOT, "deploy", "prometheus", "ckptwatch-rules.yml")

@@ -7,9 +7,9 @@ import time
 import pytest
 
 from exporters.journal import Journal
-from monitor.detector import Detector
-from monitor.model import Collision, Write, Writer
-from monitor.report import (GUARD_FIX, LOCAL_RANK_NOTE, OWN_PATH_FIX, add_arguments,
+from monitor.detect.detector import Detector
+from monitor.detect.model import Collision, Write, Writer
+from monitor.cli.report import (GUARD_FIX, LOCAL_RANK_NOTE, OWN_PATH_FIX, add_arguments,
                             clock_time, human_bytes, load, render_json, render_table, run,
                             suggest_fix, summarize)
 

@@ -1,4 +1,4 @@
-"""monitor.runner: `ckptwatch run` environment and exec, with real child processes."""
+"""monitor.cli.run: `ckptwatch run` environment and exec, with real child processes."""
 import argparse
 import os
 import subprocess
@@ -8,8 +8,8 @@ import textwrap
 import pytest
 
 from helpers import subprocess_env
-from monitor import runner
-from monitor.bootstrap import BOOTSTRAP_DIR
+from monitor.cli import run as runner
+from ckptwatch.bootstrap import BOOTSTRAP_DIR
 from receiver import Receiver
 
 PY = sys.executable
@@ -75,7 +75,7 @@ def test_run_execs_a_real_python_child_with_the_hook_active(sock, tmp_path):
         torch.save({"x": torch.ones(2)}, "model.pt")
         sys.exit(3)
         """)
-    launcher = ("import sys; from monitor.runner import run; "
+    launcher = ("import sys; from monitor.cli.run import run; "
                 f"sys.exit(run(sys.argv[1:], socket={sock!r}))")
     with Receiver(sock) as rx:
         out = subprocess.run([PY, "-c", launcher, "--", PY, "-c", child_code],

@@ -1,4 +1,4 @@
-"""`ckptwatch scan` (monitor/scan.py): walking, output, exit codes, run as a real process."""
+"""`ckptwatch scan` (monitor/cli/scan.py): walking, output, exit codes, run as a real process."""
 from __future__ import annotations
 
 import argparse
@@ -13,7 +13,7 @@ import torch
 
 import corpus
 from helpers import REPO_ROOT, subprocess_env
-from monitor import scan
+from monitor.cli import scan
 
 
 @pytest.fixture
@@ -118,20 +118,20 @@ def test_unreadable_and_lookalikes_are_reported_and_counted(tree):
 
 
 def test_real_process_json(tree):
-    """python -m monitor.scan runs as a process: exit code and stdout are what a CI sees."""
-    proc = subprocess.run([sys.executable, "-m", "monitor.scan", "--format", "json",
+    """python -m monitor.cli.scan runs as a process: exit code and stdout are what a CI sees."""
+    proc = subprocess.run([sys.executable, "-m", "monitor.cli.scan", "--format", "json",
                            str(tree / "ok")], cwd=REPO_ROOT, env=subprocess_env(),
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["summary"]["ok"] == 3
     assert "import torch" not in proc.stderr
-    bad = subprocess.run([sys.executable, "-m", "monitor.scan"], cwd=REPO_ROOT,
+    bad = subprocess.run([sys.executable, "-m", "monitor.cli.scan"], cwd=REPO_ROOT,
                          env=subprocess_env(), capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "PATH" in bad.stderr
 
 
 def test_scan_does_not_import_torch(tree):
-    code = ("import sys, monitor.scan as s; s.scan([sys.argv[1]], deep=True); "
+    code = ("import sys, monitor.cli.scan as s; s.scan([sys.argv[1]], deep=True); "
             "print('torch' in sys.modules)")
     proc = subprocess.run([sys.executable, "-c", code, str(tree)], cwd=REPO_ROOT,
                           env=subprocess_env(), capture_output=True, text=True, timeout=60)

@@ -1,6 +1,6 @@
-"""monitor.sizes: finished writes of one path by different processes that differ in size."""
-from monitor.model import Write, Writer
-from monitor.sizes import SizeHistory
+"""monitor.detect.sizes: finished writes of one path by different processes that differ in size."""
+from monitor.detect.model import Write, Writer
+from monitor.detect.sizes import SizeHistory
 
 
 def w(pid, nbytes, end, path="/c/last.pt", outcome="ok"):

@@ -1,9 +1,9 @@
-"""monitor.verifier: when a path is verified (pure schedule) and what verifying says (real
+"""monitor.verify.worker: when a path is verified (pure schedule) and what verifying says (real
 files, real worker thread)."""
 import pytest
 
 from helpers import wait_for
-from monitor.verifier import RESULT_GONE, Verifier, VerifySchedule
+from monitor.verify.worker import RESULT_GONE, Verifier, VerifySchedule
 
 
 def test_a_path_is_due_once_quiet_for_the_quiet_time():

@@ -54,7 +54,7 @@ from bisect import insort
 from collections import OrderedDict
 from typing import Callable
 
-from monitor.model import (KIND_CONCURRENT, KIND_REDUNDANT, SCOPE_NODE, SOURCE_HOOK,
+from monitor.detect.model import (KIND_CONCURRENT, KIND_REDUNDANT, SCOPE_NODE, SOURCE_HOOK,
                            Collision, Write, Writer)
 
 OUTCOME_LOST = "lost"
@@ -124,7 +124,7 @@ class _Entry:
         return self.write
 
 
-# Writer's fields in its constructor's order (see monitor.model.Writer).
+# Writer's fields in its constructor's order (see monitor.detect.model.Writer).
 _WRITER_FIELDS = ("node", "pid", "rank", "local_rank", "world_size", "local_world_size",
                   "node_rank", "job", "master", "restart")
 _MAX_CACHED_WRITERS = 65536

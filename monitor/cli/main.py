@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from monitor.version import __version__
+from ckptwatch.version import __version__
 
 DESCRIPTION = """\
 ckptwatch: catch concurrent torch.save writes to one checkpoint path, and say who did it.
@@ -22,8 +22,8 @@ ckptwatch: catch concurrent torch.save writes to one checkpoint path, and say wh
 
 
 def _agent(argv: list[str]) -> int:
-    import agent
-    return agent.main(argv)
+    from monitor import daemon
+    return daemon.main(argv)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -50,12 +50,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     report = sub.add_parser("report", help="show collisions from the agent's journal: who "
                             "wrote what, when, and the fix")
-    from monitor import report as report_mod
+    from monitor.cli import report as report_mod
     report_mod.add_arguments(report)
 
     scan = sub.add_parser("scan", help="verify checkpoint files on disk: ok, corrupt or "
                           "unverifiable, with the reason (exit 1 if any is corrupt)")
-    from monitor import scan as scan_mod
+    from monitor.cli import scan as scan_mod
     scan_mod.add_arguments(scan)
 
     demo = sub.add_parser("demo", help="start a private agent, run a colliding 4-rank CPU job "
@@ -76,17 +76,17 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     if args.command == "run":
-        from monitor import runner
+        from monitor.cli import run as runner
         cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
         return runner.run(cmd, socket=args.socket)
     if args.command == "report":
-        from monitor import report
+        from monitor.cli import report
         return report.run(args)
     if args.command == "scan":
-        from monitor import scan
+        from monitor.cli import scan
         return scan.run(args)
     if args.command == "demo":
-        from monitor import demo
+        from monitor.cli import demo
         return demo.run(nproc=args.nproc, keep=args.keep)
     parser.error(f"unknown command {args.command}")
     return 2

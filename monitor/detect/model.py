@@ -2,7 +2,7 @@
 
 The detector produces these, the exporters (metrics, journal, log) and `ckptwatch report`
 consume them. Journal records are built here (to_record) and read back here (from_record) so
-the two can never drift apart. Field names follow monitor/events.py.
+the two can never drift apart. Field names follow ckptwatch/events.py.
 """
 from __future__ import annotations
 

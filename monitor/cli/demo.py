@@ -57,13 +57,13 @@ def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 20.0) -> No
 
 
 def _run_job(workdir: str, sock: str, nproc: int, mode: str, job: str) -> float:
-    from monitor import runner
+    from monitor.cli import run as runner
     out = os.path.join(workdir, job)
     env = runner.build_env(os.environ, sock)
     env["CKPTWATCH_JOB"] = job
     env.setdefault("OMP_NUM_THREADS", "1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           "--nproc-per-node", str(nproc), "-m", "monitor.demo_job", "--out", out, "--save", mode,
+           "--nproc-per-node", str(nproc), "-m", "monitor.cli.demo_job", "--out", out, "--save", mode,
            "--width", "2048"]   # 32 MiB of weights: long enough saves to overlap for sure
     started = time.monotonic()
     result = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -81,7 +81,7 @@ def _collisions(journal: str) -> list[dict]:
 
 def _load_verdict(path: str, collided: bool) -> str:
     import torch
-    from monitor.demo_job import consistency
+    from monitor.cli.demo_job import consistency
     try:
         state = torch.load(path, map_location="cpu", weights_only=False)
     except Exception as exc:  # the point of the demo is to show this failure
@@ -147,7 +147,7 @@ def run(nproc: int = 4, keep: bool = False) -> int:
         # verified (--verify.quiet 0.5 after their last write).
         time.sleep(1.5)
         _say("[4/4] what ckptwatch saw\n")
-        from monitor import report
+        from monitor.cli import report
         collisions = report.load(journal)
         _say(report.render_table(collisions, width=80))
         _say("\nmetrics (" + url + "/metrics):")

@@ -29,7 +29,7 @@ Choices and limits:
 - install() never imports torch. If torch is not imported yet it arranges (through the
   bootstrap's post-import hook) for the patch to happen as soon as torch is imported, and
   returns False; importing torch ourselves would make every Python process that merely imports
-  monitor pay for torch. So `import monitor; monitor.install(); import torch` works.
+  ckptwatch pay for torch. So `import ckptwatch; ckptwatch.install(); import torch` works.
 - A name bound before the patch keeps the original: `from torch import save` executed before
   install() (or before torch was imported under the bootstrap hook's watch) is not reported.
   Patch early — `ckptwatch run` patches right after torch finishes importing — and rely on the
@@ -54,23 +54,19 @@ import threading
 import time
 import weakref
 
-from monitor import emitter as _emitter_mod
-from monitor import paths
-from monitor.events import SCHEMA_VERSION
-from monitor.identity import identity
+from ckptwatch import emitter as _emitter_mod
+from ckptwatch import paths
+from ckptwatch.events import SCHEMA_VERSION
+from ckptwatch.identity import identity
 
 MARKER = "__ckptwatch_original__"
 POLICY_ENV = "CKPTWATCH_POLICY"
 POLICIES = ("observe", "warn", "atomic")
 IMPLEMENTED_POLICIES = ("observe",)
 
-_MONITOR_DIR = os.path.dirname(os.path.abspath(__file__))
-# The call site skips frames of our in-process machinery only, not the whole package: programs
-# that ship inside it (monitor/demo_job.py, run by `ckptwatch demo`) are user code there.
-_OWN_FILES = frozenset(
-    name for module in ("__init__", "hook", "emitter", "identity", "events", "paths")
-    for name in (os.path.join(_MONITOR_DIR, module + ".py"),))
-_BOOTSTRAP_PREFIX = os.path.join(_MONITOR_DIR, "bootstrap") + os.sep
+# The call site skips frames of this package (hook, emitter, bootstrap...): everything in it is
+# our machinery. Programs that ship with the agent (monitor/cli/demo_job.py) are user code.
+_PACKAGE_PREFIX = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _TARGETS = (("torch", "save"), ("torch.serialization", "save"))
 
 _active = False
@@ -81,7 +77,7 @@ _reported_files: "weakref.WeakSet" = weakref.WeakSet()
 _reported_ids: set = set()        # (id, fileno) for file objects that refuse weak references
 _wrappers: list = []              # every wrapper we made: the marker alone is not proof, since
                                   # functools.wraps on someone else's wrapper copies it
-_internal_code: dict = {}         # code object -> True if it belongs to torch or monitor
+_internal_code: dict = {}         # code object -> True if it belongs to torch or ckptwatch
 _torch_dir: str | None = None
 _counters = {"reported": 0, "coalesced": 0, "unreported": 0, "errors": 0}
 
@@ -162,7 +158,7 @@ def install() -> bool:
     torch = sys.modules.get("torch")
     serialization = sys.modules.get("torch.serialization")
     if torch is None or serialization is None or not callable(getattr(torch, "save", None)):
-        from monitor import bootstrap
+        from ckptwatch import bootstrap
         bootstrap.watch_torch_import()
         return False
     with _install_lock:
@@ -266,9 +262,8 @@ def _caller(frame):
         skip = internal.get(code)
         if skip is None:
             filename = code.co_filename
-            skip = (filename.startswith(torch_dir) or filename in _OWN_FILES
-                    or os.path.abspath(filename) in _OWN_FILES
-                    or filename.startswith(_BOOTSTRAP_PREFIX))
+            skip = (filename.startswith(torch_dir) or filename.startswith(_PACKAGE_PREFIX)
+                    or os.path.abspath(filename).startswith(_PACKAGE_PREFIX))
             if len(internal) < 4096:
                 internal[code] = skip
         if not skip:

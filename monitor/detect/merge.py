@@ -1,6 +1,6 @@
 """One write, two witnesses: keep the hook's report and note that the filesystem saw it too.
 
-The filesystem watcher (monitor.fswatch) reports every write it sees as start/end events with
+The filesystem watcher (monitor.fs.watch) reports every write it sees as start/end events with
 "source": "fs", including the saves the hook reports itself. Fed to the detector as they
 are, each hooked save would count twice. This pure stage sits between the watcher and the
 detector:

@@ -1,6 +1,6 @@
 """From filesystem events to writes: which process wrote which checkpoint, when.
 
-WriteTracker (pure, no threads) turns monitor.fswatch FsEvents plus procscan attributions
+WriteTracker (pure, no threads) turns monitor.fs.watch FsEvents plus procscan attributions
 (who holds the file open right after the event) into write intervals per (path, pid),
 emitted as hook-shaped "start"/"end" event dicts with "source": "fs", and into findings:
 fs_collision, size_fluctuation (a file shrinking under two writers), torn_read (a reader
@@ -16,9 +16,9 @@ from collections import OrderedDict
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
-from monitor.events import SCHEMA_VERSION
-from monitor.fanotify import FAN_CLOSE_NOWRITE, FAN_CLOSE_WRITE, FAN_MODIFY, FAN_OPEN
-from monitor.fswatch import (CLOSED_NOWRITE, CLOSED_WRITE, CREATED, DELETED, MODIFIED, MOVED,
+from ckptwatch.events import SCHEMA_VERSION
+from monitor.fs.fanotify import FAN_CLOSE_NOWRITE, FAN_CLOSE_WRITE, FAN_MODIFY, FAN_OPEN
+from monitor.fs.watch import (CLOSED_NOWRITE, CLOSED_WRITE, CREATED, DELETED, MODIFIED, MOVED,
                              OPENED, OVERFLOW, ROOT_LOST, SOURCE_FS, FsEvent, _size)
 
 
@@ -55,7 +55,7 @@ class WriteTracker:
     process holding ev's path open right after the event (procscan.ProcScanner.holders_of),
     or None when not attributed. It returns a list of dicts:
 
-    - "start" / "end" events in the shape of monitor/events.py (validate() accepts them), one
+    - "start" / "end" events in the shape of ckptwatch/events.py (validate() accepts them), one
       interval per (path, pid) from the first attribution that shows the pid holding the path
       for writing to the first one that does not (or the file's deletion), plus
       "source": "fs". Times are those of the FsEvents, i.e. of the agent seeing them.
@@ -371,7 +371,7 @@ def attribute(ev: FsEvent, tracker: WriteTracker, scanner,
 
 
 class ExactAttribution:
-    """fanotify events (monitor.fanotify.FanEvent: the pid is in the event) -> the
+    """fanotify events (monitor.fs.fanotify.FanEvent: the pid is in the event) -> the
     tracker's write intervals, with no /proc scan and no race against short writes.
 
     A write starts at the pid's open of the path as the kernel reported it, else at its

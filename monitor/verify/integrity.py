@@ -2,8 +2,8 @@
 
 One entry point, `verify(path, deep=False, max_bytes_per_second=None) -> Verdict`. Pure: no
 threads, no state between calls; standard library only, plus an optional CRC32 accelerator
-(monitor.crc). The agent and `ckptwatch scan` run without torch, and verifying never imports
-or calls anything a stranger's pickle names (monitor.picklescan).
+(monitor.verify.crc). The agent and `ckptwatch scan` run without torch, and verifying never imports
+or calls anything a stranger's pickle names (monitor.verify.picklescan).
 
 What is checked, per format (the content decides the format, never the file name):
 
@@ -11,7 +11,7 @@ What is checked, per format (the content decides the format, never the file name
   directory record (zip64 too) is where it says it is; every central directory entry's local
   header agrees (name, method = stored, sizes, CRC in the data descriptor torch writes after each
   record); records lie inside the file and overlap neither each other nor the directory; one
-  archive prefix; `data.pkl` parses (monitor.picklescan) and every storage it names
+  archive prefix; `data.pkl` parses (monitor.verify.picklescan) and every storage it names
   ('storage', type, key, location, numel) has a `data/<key>` record of exactly numel * element
   size bytes; `version` (and `byteorder` when present) hold what torch writes. Deep: CRC32 of
   every record against the directory (reads the whole file, optionally rate-capped).
@@ -462,7 +462,7 @@ def _check_torch_layout(f, entries: list) -> dict:
 
 def _persistent_storages(data: bytes, what: str) -> dict:
     """{key: (storage type name, numel)} of every ('storage', ...) persistent id in a pickle
-    (monitor.picklescan: nothing the pickle names is imported or run)."""
+    (monitor.verify.picklescan: nothing the pickle names is imported or run)."""
     try:
         return persistent_storages(data)
     except (ValueError, IndexError, KeyError, TypeError, OverflowError,

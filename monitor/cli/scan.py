@@ -1,6 +1,6 @@
 """`ckptwatch scan PATH... [--deep] [--format table|json] [--include GLOB...]`
 
-Verifies every checkpoint under the given paths with monitor/integrity.py and prints one line
+Verifies every checkpoint under the given paths with monitor/verify/integrity.py and prints one line
 per file (status, format, size, path; the reason below it), then a summary. Readable in 80
 columns; a progress bar goes to stderr, only when stderr is a terminal.
 
@@ -22,8 +22,9 @@ import textwrap
 import time
 from dataclasses import dataclass
 
-from monitor import crc, integrity
-from monitor.report import human_bytes
+from monitor.verify import crc
+from monitor.verify import integrity
+from monitor.cli.report import human_bytes
 
 DEFAULT_PATTERNS = ("*.pt", "*.pth", "*.bin", "*.ckpt", "*.safetensors", "*.distcp")
 
@@ -265,7 +266,7 @@ class ProgressBar:
 
 
 def main(argv=None) -> int:
-    """`python -m monitor.scan ...`: the same command without the ckptwatch entry point."""
+    """`python -m monitor.cli.scan ...`: the same command without the ckptwatch entry point."""
     import argparse
     parser = argparse.ArgumentParser(prog="ckptwatch scan")
     add_arguments(parser)

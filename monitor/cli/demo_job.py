@@ -1,7 +1,7 @@
 """A small DDP training job (CPU, gloo) used by `ckptwatch demo`, the end-to-end tests and the
 benchmarks. Run it under torchrun:
 
-    torchrun --standalone --nproc-per-node 4 -m monitor.demo_job --out DIR --save every-rank
+    torchrun --standalone --nproc-per-node 4 -m monitor.cli.demo_job --out DIR --save every-rank
 
 --save every-rank   the bug: every rank calls torch.save on the same path
 --save rank0        the fix: only global rank 0 saves

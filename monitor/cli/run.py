@@ -13,8 +13,8 @@ import os
 import shutil
 import sys
 
-from monitor import paths
-from monitor.bootstrap import BOOTSTRAP_DIR
+from ckptwatch import paths
+from ckptwatch.bootstrap import BOOTSTRAP_DIR
 
 EXIT_USAGE = 2
 EXIT_NOT_FOUND = 127

@@ -5,7 +5,7 @@ Two parts with one responsibility each:
   due `quiet` seconds later; another write on the path pushes that back. Verifying earlier
   would read a file that a colliding writer is still writing and blame the wrong moment.
   A collision on the path is remembered so the verdict can name the collision that made it.
-- Verifier (a worker thread with a bounded queue): runs monitor.integrity.verify on due paths
+- Verifier (a worker thread with a bounded queue): runs monitor.verify.integrity.verify on due paths
   and hands each Verification back through an outbox the agent's loop drains, so exporters
   stay on the loop's thread. A full queue skips the path (counted): verification is a check
   on top, never a reason to fall behind.
@@ -23,7 +23,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from monitor import integrity
+from monitor.verify import integrity
 
 log = logging.getLogger("ckptwatch.verifier")
 

@@ -3,7 +3,7 @@
 The filesystem watcher sees *that* a checkpoint was opened for writing, never *who* opened it:
 inotify events carry no pid. This module answers "who" after the fact, by looking at the open
 files of running processes, and reads each holder's rank / local rank / job from its
-environment, the same variables the in-process hook reads (monitor.identity).
+environment, the same variables the in-process hook reads (ckptwatch.identity).
 
 Cost bounds (an agent may serve a node with thousands of processes):
 - only *candidate* processes are scanned: Python interpreters and known launchers
@@ -36,7 +36,7 @@ from typing import Callable, Iterable
 
 import psutil
 
-from monitor import identity
+from ckptwatch import identity
 
 # Process names (psutil name(), i.e. the kernel comm, at most 15 characters) and interpreter
 # prefixes that make a process a candidate checkpoint writer.
@@ -77,7 +77,7 @@ class ProcWriter:
         return self.mode in WRITE_MODES
 
     def identity(self) -> dict:
-        """Writer fields in the shape of a hook event (monitor/events.py)."""
+        """Writer fields in the shape of a hook event (ckptwatch/events.py)."""
         return {"node": self.node, "pid": self.pid, "rank": self.rank,
                 "local_rank": self.local_rank, "world_size": self.world_size,
                 "local_world_size": self.local_world_size, "node_rank": self.node_rank,

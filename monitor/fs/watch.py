@@ -1,7 +1,7 @@
 """Filesystem observation of checkpoint directories (watchdog).
 
 Two layers here, as in watchdog itself (the third, turning events into writes, is
-monitor.fstracker):
+monitor.fs.tracker):
 
 - FsEventHandler translates watchdog events into small immutable FsEvent values (no threads,
   no state beyond the patterns and the root list).
@@ -10,7 +10,7 @@ monitor.fstracker):
   recreated, performs fallbacks, reports inotify queue overflows (followed by a rescan) and,
   under polling, turns "size and mtime stable across two polls" into a synthetic
   closed_write (polling cannot see close(2)).
-- monitor.fstracker.WriteTracker (pure) turns FsEvents plus procscan attributions into
+- monitor.fs.tracker.WriteTracker (pure) turns FsEvents plus procscan attributions into
   write intervals and findings.
 
 Written against watchdog 7.1 (inotify reports FileOpenedEvent / FileClosedEvent /

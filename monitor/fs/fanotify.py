@@ -1,13 +1,13 @@
 """Who writes a checkpoint, told by the kernel itself: fanotify (Linux, CAP_SYS_ADMIN).
 
-inotify (monitor.fswatch) says *that* a file was opened, written or closed, never by whom;
-a /proc scan (monitor.procscan) answers "who" after the fact and misses a write shorter than
+inotify (monitor.fs.watch) says *that* a file was opened, written or closed, never by whom;
+a /proc scan (monitor.fs.procscan) answers "who" after the fact and misses a write shorter than
 the scan, which under polling is every ordinary save. A fanotify event carries the pid of the
 process that opened, modified or closed the file, queued by the kernel in the order things
 happened, so even a save of a few microseconds is attributed, in either observer mode (for
 this node's processes: no local mechanism sees other NFS clients).
 
-This module only reads events. monitor.fstracker.ExactAttribution turns them into write
+This module only reads events. monitor.fs.tracker.ExactAttribution turns them into write
 intervals; the structure (create, delete, rename, root lost) still comes from fswatch.
 
 Marks: one mount mark (FAN_MARK_MOUNT) per mount holding a watched root. A mount mark covers

@@ -3,7 +3,7 @@
 The watcher's callbacks run on watchdog's threads and must be quick, and attribution (which
 process has the file open, read from /proc) costs milliseconds and may wait a moment for a
 fresh fd to appear. So: the watcher only queues FsEvents; one attribution thread turns them
-into start/end events and findings (monitor.fstracker.attribute), and hands them to the core
+into start/end events and findings (monitor.fs.tracker.attribute), and hands them to the core
 loop as batches through `deliver`. The core loop owns the detector; nothing here touches it.
 """
 from __future__ import annotations
@@ -13,7 +13,10 @@ import queue
 import threading
 from collections import OrderedDict
 
-from monitor import fanotify, fstracker, fswatch, procscan
+from monitor.fs import fanotify
+from monitor.fs import tracker as fstracker
+from monitor.fs import watch as fswatch
+from monitor.fs import procscan
 
 log = logging.getLogger("ckptwatch.fs")
 
@@ -27,7 +30,7 @@ ATTRIBUTIONS = ("auto", "fanotify", "proc")
 
 class FsSource:
     """attribution: how writers are named. "fanotify": the kernel names the pid of every
-    open, write and close (monitor.fanotify; needs CAP_SYS_ADMIN); "proc": a /proc scan
+    open, write and close (monitor.fs.fanotify; needs CAP_SYS_ADMIN); "proc": a /proc scan
     right after each inotify event (misses writes shorter than the scan); "auto": fanotify
     where it works, else proc (logged). Readers (torn reads) always come from /proc."""
 

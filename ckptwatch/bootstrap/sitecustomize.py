@@ -1,6 +1,6 @@
 """ckptwatch bootstrap, imported by Python at start-up when this directory is on PYTHONPATH.
 
-Kept trivial on purpose: make our package importable, call monitor.bootstrap.initialize(),
+Kept trivial on purpose: make our package importable, call ckptwatch.bootstrap.initialize(),
 then run the next `sitecustomize` on sys.path (the user's or the distribution's), which ours
 would otherwise hide. Nothing here may ever break interpreter start-up.
 CKPTWATCH_DISABLE=1 skips our part entirely; the chained sitecustomize still runs.
@@ -10,11 +10,11 @@ import os
 import sys
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-_ROOT = os.path.dirname(os.path.dirname(_HERE))   # the directory that contains `monitor/`
+_ROOT = os.path.dirname(os.path.dirname(_HERE))   # the directory that contains `ckptwatch/`
 
 
 def _disabled() -> bool:
-    # Same rule as monitor.paths.disabled(), inlined so the kill switch imports nothing of ours.
+    # Same rule as ckptwatch.paths.disabled(), inlined so the kill switch imports nothing of ours.
     return os.environ.get("CKPTWATCH_DISABLE", "").strip().lower() in ("1", "true", "yes", "on")
 
 
@@ -23,10 +23,8 @@ def _initialize() -> None:
         # Appended, not prepended: an installed ckptwatch or the user's modules keep priority.
         if _ROOT not in sys.path:
             sys.path.append(_ROOT)
-        from monitor import bootstrap
+        from ckptwatch import bootstrap
         bootstrap.initialize()
-        # Do not let our `monitor` shadow a module of the same name in the user's project.
-        bootstrap.hide_package()
     except Exception:
         pass
 

@@ -1,6 +1,6 @@
 """`ckptwatch report`: who wrote which checkpoint path when, and how to fix it.
 
-Reads the agent's journal (exporters/journal.py), rebuilds the collisions (monitor/model.py)
+Reads the agent's journal (exporters/journal.py), rebuilds the collisions (monitor/detect/model.py)
 and renders them for an 80-column terminal (table) or for tools (json). The CLI wires it in
 with add_arguments(parser) and run(args).
 """
@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from exporters.journal import (SYSTEM_JOURNAL_PATH, ReadStats, default_journal_path,
                                read_records)
 from exporters.logline import call_sites, clean
-from monitor.model import KIND_CONCURRENT, Collision, Write
+from monitor.detect.model import KIND_CONCURRENT, Collision, Write
 
 EXIT_OK = 0
 EXIT_NO_JOURNAL = 2

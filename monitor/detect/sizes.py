@@ -4,13 +4,13 @@ design.md: "finished writes of the same path within the window differ in size". 
 that should not all save do, each one's save ends with a different file size (each saw the
 file as the others left it). Only writes by *different* processes are compared: one process
 whose checkpoints change size (the first save before the optimizer has state, a growing
-replay buffer) is normal. The shrink-while-open rule lives in monitor.fswatch.
+replay buffer) is normal. The shrink-while-open rule lives in monitor.fs.watch.
 """
 from __future__ import annotations
 
 from collections import OrderedDict
 
-from monitor.model import Write
+from monitor.detect.model import Write
 
 FINDING = "size_fluctuation"
 

@@ -5,7 +5,7 @@ torch.save hook) is that emit() never blocks and never raises: it appends to a d
 when the sender thread is idle, sets an Event to wake it. Everything slow — JSON encoding,
 connecting, sending — happens in the sender thread.
 
-Transport: one AF_UNIX SOCK_STREAM connection per process, frames from monitor.events.encode.
+Transport: one AF_UNIX SOCK_STREAM connection per process, frames from ckptwatch.events.encode.
 The connection is made lazily and re-made with backoff when the agent is absent or restarted;
 events queued meanwhile are delivered once it is back, up to the queue bound. When the queue is
 full new events are dropped and counted, and the count is sent as a "dropped" event once the
@@ -34,8 +34,9 @@ import threading
 import time
 import weakref
 
-from monitor import events, paths
-from monitor.identity import identity
+from ckptwatch import events
+from ckptwatch import paths
+from ckptwatch.identity import identity
 
 FLUSH_TIMEOUT_ENV = "CKPTWATCH_FLUSH_TIMEOUT"
 BATCH_MAX = 256               # frames per sendall: one syscall for a burst, bounded memory
@@ -299,7 +300,7 @@ _singleton_lock = threading.RLock()
 
 
 def get_emitter() -> Emitter:
-    """The process's emitter for monitor.paths.socket_path() (created on first use)."""
+    """The process's emitter for ckptwatch.paths.socket_path() (created on first use)."""
     global _singleton
     emitter = _singleton
     if emitter is None:

@@ -1,0 +1,29 @@
+"""ckptwatch: see every torch.save, catch concurrent writes to one checkpoint path.
+
+In-process API (stdlib only; torch is imported lazily, never by this package itself):
+
+    import ckptwatch
+    ckptwatch.install()     # patch torch.save now, or as soon as torch is imported
+    ckptwatch.uninstall()   # restore the original torch.save (only if still ours)
+"""
+from ckptwatch.version import __version__
+
+__all__ = ["__version__", "install", "is_installed", "uninstall"]
+
+
+def install() -> bool:
+    """Patch torch.save (and torch.serialization.save). Idempotent. See ckptwatch.hook."""
+    from ckptwatch import hook
+    return hook.install()
+
+
+def uninstall() -> bool:
+    """Restore the original torch.save if the current one is ours. Idempotent."""
+    from ckptwatch import hook
+    return hook.uninstall()
+
+
+def is_installed() -> bool:
+    """True if torch is imported and its save is ours."""
+    from ckptwatch import hook
+    return hook.is_installed()

@@ -1,0 +1,1 @@
+"""Filesystem observation: watch checkpoint directories, name the processes that write them."""

@@ -1,0 +1,1 @@
+"""Checkpoint verification: zip structure, tensor sizes, CRC32. Never imports torch."""
