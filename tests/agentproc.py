@@ -11,71 +11,15 @@ journal in workdir, at debug log level with stderr captured to a file (agent.log
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
-import urllib.error
-import urllib.request
 
-from prometheus_client.parser import text_string_to_metric_families
-
-from helpers import REPO_ROOT, free_port, remove_tree, short_tmpdir, subprocess_env, wait_for
+from helpers import subprocess_env, wait_for
+from monitor import launcher
 
 
-class AgentProcess:
-    """A running agent subprocess; stop() (or leaving the with-block) ends it."""
-
-    def __init__(self, proc: subprocess.Popen, socket: str, port: int, journal: str,
-                 log_path: str, sockdir: str):
-        self.proc = proc
-        self.socket = socket
-        self.port = port
-        self.url = f"http://127.0.0.1:{port}"
-        self.journal = journal
-        self.log_path = log_path
-        self._sockdir = sockdir
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    @property
-    def log(self) -> str:
-        """Everything the agent wrote to stderr so far."""
-        with open(self.log_path, encoding="utf-8", errors="replace") as fh:
-            return fh.read()
-
-    def get(self, route: str, timeout: float = 5.0) -> tuple[int, str]:
-        """(HTTP status, body) of a GET on the agent's web server."""
-        try:
-            with urllib.request.urlopen(self.url + route, timeout=timeout) as resp:
-                return resp.status, resp.read().decode()
-        except urllib.error.HTTPError as exc:
-            return exc.code, exc.read().decode()
-
-    def scrape(self) -> str:
-        status, body = self.get("/metrics")
-        assert status == 200, f"/metrics answered {status}: {body}"
-        return body
-
-    def metric(self, name: str, **labels) -> float | None:
-        """The value of the sample `name` whose labels include `labels`, summed over matches;
-        None if no sample matches. `name` is the sample name, e.g. ..._total or ..._bucket."""
-        values = [s.value
-                  for family in text_string_to_metric_families(self.scrape())
-                  for s in family.samples
-                  if s.name == name and all(s.labels.get(k) == str(v) for k, v in labels.items())]
-        return sum(values) if values else None
-
-    def journal_records(self) -> list[dict]:
-        """Every journal record so far (rotated files first)."""
-        from exporters.journal import read_records
-        if not os.path.exists(self.journal):
-            return []
-        return list(read_records(self.journal))
-
-    def collisions(self) -> list[dict]:
-        return [r for r in self.journal_records() if r.get("type") == "collision"]
+class AgentProcess(launcher.AgentProcess):
+    """monitor.launcher's agent with what tests wait for."""
 
     def wait_for_collision(self, timeout: float = 15.0, count: int = 1) -> dict:
         """Wait until the journal holds `count` collision records; return the last one."""
@@ -84,77 +28,31 @@ class AgentProcess:
                                                   f"agent log:\n{self.log}")
         return found[count - 1]
 
-    def alive(self) -> bool:
-        return self.proc.poll() is None
 
-    def stop(self, sig: int = signal.SIGTERM, timeout: float = 15.0) -> int:
-        """Send sig, wait for exit, return the exit code (SIGKILL after timeout)."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
-
-    def close(self) -> None:
-        self.stop()
-        remove_tree(self._sockdir)
-
-    def __enter__(self) -> "AgentProcess":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-
-def agent_command(socket: str, port: int, journal: str, *extra_args: str,
-                  window: float | None = None) -> list[str]:
-    cmd = [sys.executable, os.path.join(REPO_ROOT, "agent.py"), "--ingest.socket", socket,
-           "--web.listen-address", f"127.0.0.1:{port}", "--journal.path", journal,
-           "--log.level", "debug"]
+def _agent(workdir: str, extra_args, window, socket, port, log_name) -> AgentProcess:
+    extra = list(extra_args)
     if window is not None:
-        cmd += ["--collision.window", str(window)]
-    return cmd + list(extra_args)
+        extra += ["--collision.window", str(window)]
+    return AgentProcess(workdir, *extra, socket=socket, port=port, log_name=log_name,
+                        env=subprocess_env())
 
 
 def launch_agent(workdir: str, *extra_args: str, window: float | None = None,
                  socket: str | None = None, port: int | None = None,
                  log_name: str = "agent.log") -> AgentProcess:
     """Start the agent without waiting for it (for tests of failing starts)."""
-    sockdir = short_tmpdir("cwa")
-    socket = socket or os.path.join(sockdir, "agent.sock")
-    port = port or free_port()
-    journal = os.path.join(workdir, "journal.jsonl")
-    log_path = os.path.join(workdir, log_name)
-    with open(log_path, "wb") as log_file:
-        proc = subprocess.Popen(agent_command(socket, port, journal, *extra_args, window=window),
-                                stdin=subprocess.DEVNULL, stdout=log_file, stderr=log_file,
-                                env=subprocess_env(), cwd=workdir)
-    return AgentProcess(proc, socket, port, journal, log_path, sockdir)
+    return _agent(workdir, extra_args, window, socket, port, log_name).launch()
 
 
 def start_agent(workdir: str, *extra_args: str, window: float | None = None,
                 socket: str | None = None, port: int | None = None,
                 timeout: float = 30.0) -> AgentProcess:
     """Start the real agent and wait until /healthz answers 200 and its socket exists."""
-    agent = launch_agent(workdir, *extra_args, window=window, socket=socket, port=port)
-
-    def ready() -> bool:
-        if not agent.alive():
-            raise AssertionError(f"agent exited with {agent.proc.returncode}:\n{agent.log}")
-        try:
-            return agent.get("/healthz", timeout=1)[0] == 200 and os.path.exists(agent.socket)
-        except OSError:
-            return False
-
+    agent = _agent(workdir, extra_args, window, socket, port, "agent.log")
     try:
-        wait_for(ready, timeout=timeout, interval=0.05, message="agent /healthz")
-    except BaseException:
-        agent.close()
-        raise
-    return agent
+        return agent.start(timeout=timeout)
+    except RuntimeError as exc:
+        raise AssertionError(str(exc)) from None
 
 
 # --- a scripted event sender in its own process ------------------------------------------

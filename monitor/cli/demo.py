@@ -9,51 +9,17 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 import urllib.request
 
-AGENT_SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                            "agent.py")
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from monitor.launcher import AgentProcess
 
 
 def _say(text: str = "") -> None:
     print(text, flush=True)
-
-
-def _agent_command(sock: str, port: int, journal: str) -> list[str]:
-    if os.path.exists(AGENT_SCRIPT):
-        base = [sys.executable, AGENT_SCRIPT]
-    else:  # installed without the source tree: the console script's module
-        base = [sys.executable, "-m", "monitor.cli", "agent"]
-    return base + ["--ingest.socket", sock, "--web.listen-address", f"127.0.0.1:{port}",
-                   "--journal.path", journal, "--collision.settle", "0.5", "--verify.quiet", "0.5",
-                   "--log.level", "warning"]
-
-
-def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the agent exited with code {proc.returncode}")
-        try:
-            with urllib.request.urlopen(url + "/healthz", timeout=1) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.1)
-    raise RuntimeError("the agent did not become healthy within 20 s")
 
 
 def _run_job(workdir: str, sock: str, nproc: int, mode: str, job: str) -> float:
@@ -122,17 +88,13 @@ def run(nproc: int = 4, keep: bool = False) -> int:
         print("ckptwatch demo needs torch in this Python: pip install torch", file=sys.stderr)
         return 2
     workdir = tempfile.mkdtemp(prefix="ckptwatch-demo-")
-    sock = os.path.join(tempfile.mkdtemp(prefix="cwd", dir="/tmp"), "agent.sock")
-    journal = os.path.join(workdir, "journal.jsonl")
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
     _say(f"ckptwatch demo: a {nproc}-rank CPU job (torchrun, gloo) in which every rank saves")
     _say("to one checkpoint path, then the same job fixed. Working directory: " + workdir)
-    agent_log = open(os.path.join(workdir, "agent.log"), "w")
-    agent = subprocess.Popen(_agent_command(sock, port, journal), stdout=agent_log,
-                             stderr=subprocess.STDOUT)
+    agent = AgentProcess(workdir, "--collision.settle", "0.5", "--verify.quiet", "0.5",
+                         log_level="warning")
+    sock, journal, url = agent.socket, agent.journal, agent.url
     try:
-        _wait_healthy(url, agent)
+        agent.start(timeout=20)
         _say(f"\n[1/4] agent running: socket {sock}, metrics {url}/metrics")
         _say("[2/4] buggy job: every rank calls torch.save(state, '.../buggy/last.pt')")
         took = _run_job(workdir, sock, nproc, "every-rank", "buggy")
@@ -140,12 +102,14 @@ def run(nproc: int = 4, keep: bool = False) -> int:
         _say("[3/4] fixed job: only global rank 0 saves (dist.get_rank() == 0)")
         took = _run_job(workdir, sock, nproc, "rank0", "fixed")
         _say(f"      finished in {took:.1f}s")
-        deadline = time.monotonic() + 15
-        while not _collisions(journal) and time.monotonic() < deadline:
+        # Both files are verified once quiet (--verify.quiet 0.5 after their last write), and a
+        # collision is final before its file is quiet (--collision.settle 0.5): when both
+        # verdicts are in the journal, so is every collision these jobs made.
+        checkpoints = [os.path.join(workdir, job, "last.pt") for job in ("buggy", "fixed")]
+        deadline = time.monotonic() + 30
+        while (not all(_agent_verdict(journal, p) for p in checkpoints)
+               and time.monotonic() < deadline):
             time.sleep(0.2)
-        # Let the fixed job's writes settle (it must show no collision) and both files be
-        # verified (--verify.quiet 0.5 after their last write).
-        time.sleep(1.5)
         _say("[4/4] what ckptwatch saw\n")
         from monitor.cli import report
         collisions = report.load(journal)
@@ -172,13 +136,7 @@ def run(nproc: int = 4, keep: bool = False) -> int:
              "        torch.save(state, path)")
         return 0
     finally:
-        agent.send_signal(signal.SIGTERM)
-        try:
-            agent.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            agent.kill()
-        agent_log.close()
-        shutil.rmtree(os.path.dirname(sock), ignore_errors=True)
+        agent.close()
         if not keep:
             shutil.rmtree(workdir, ignore_errors=True)
         else:
