@@ -57,7 +57,6 @@ SCHEMA_VERSION = 1
 MAX_FRAME_BYTES = 64 * 1024
 HEADER = struct.Struct(">I")
 
-EVENT_TYPES = ("start", "end", "dropped")
 
 # Reasons an event is rejected; the agent exports them as ckptwatch_events_rejected_total{reason}.
 REJECT_MALFORMED = "malformed"          # not UTF-8 JSON, or not a JSON object

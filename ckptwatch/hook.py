@@ -61,7 +61,6 @@ from ckptwatch.identity import identity
 
 MARKER = "__ckptwatch_original__"
 POLICY_ENV = "CKPTWATCH_POLICY"
-POLICIES = ("observe", "warn", "atomic")
 IMPLEMENTED_POLICIES = ("observe",)
 
 # The call site skips frames of this package (hook, emitter, bootstrap...): everything in it is

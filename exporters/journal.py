@@ -27,7 +27,6 @@ _ENCODER = json.JSONEncoder(separators=(",", ":"), default=str)
 from monitor.detect.model import Collision, Write
 
 SYSTEM_JOURNAL_PATH = "/var/lib/ckptwatch/journal.jsonl"
-DEFAULT_JOURNAL_PATH = SYSTEM_JOURNAL_PATH
 DEFAULT_MAX_BYTES = 64 * 1024 * 1024
 DEFAULT_BACKUPS = 5
 

@@ -361,6 +361,10 @@ def _fs_families(fs: Mapping):
                               "inotify and fanotify queue overflows (events lost; a rescan "
                               "follows).",
                               value=fs.get("events_lost", 0) + fan.get("overflows", 0))
+    yield GaugeMetricFamily("ckptwatch_fs_inotify_unavailable",
+                            "1 if inotify could not be imported on Linux (a broken install: "
+                            "every watched root is polled)",
+                            value=fs.get("inotify_unavailable", 0))
     yield CounterMetricFamily("ckptwatch_fs_watch_fallbacks",
                               "Watched roots that fell back from inotify to polling.",
                               value=fs.get("fallbacks", 0))

@@ -21,11 +21,9 @@ from exporters.prometheus import parse_listen_address
 from ckptwatch import paths
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
-WATCH_MODES = ("auto", "inotify", "polling")
-WATCH_ATTRIBUTIONS = ("auto", "fanotify", "proc")     # monitor.fs.source.ATTRIBUTIONS
-# Which files count as checkpoints in watched directories (plus any path a hook event names).
-# Kept here, not imported from monitor.fs.watch, so `--help` works without watchdog loaded.
-WATCH_PATTERNS = ("*.pt", "*.pth", "*.bin", "*.ckpt", "*.safetensors", "*.distcp")
+from monitor.fs.options import ATTRIBUTIONS as WATCH_ATTRIBUTIONS  # noqa: E402
+from monitor.fs.options import CHECKPOINT_PATTERNS as WATCH_PATTERNS  # noqa: E402
+from monitor.fs.options import WATCH_MODES  # noqa: E402
 LOG_FORMATS = ("logfmt", "json")
 
 

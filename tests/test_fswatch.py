@@ -89,7 +89,7 @@ def test_finished_write_seen_with_its_size(tmp_path, watch, mode):
         assert kinds[0] == "created" and w.stats()["synthetic_closes"] >= 1
     assert rec.kinds(str(tmp_path / "notes.txt")) == []
     assert w.stats()["roots"][str(tmp_path)]["mode"] == mode
-    assert w.health()["ok"]
+    assert all(r["state"] == "watching" for r in w.stats()["roots"].values())
 
 
 def test_a_path_named_by_a_hook_event_counts_whatever_its_name(tmp_path, watch):
@@ -138,9 +138,9 @@ def test_root_deleted_and_recreated_is_watched_again(tmp_path, watch, mode):
     rec.wait("closed_write", os.path.join(root, "a.pt"))
     shutil.rmtree(root)
     rec.wait("root_lost", root)
-    assert w.health() == {"ok": False, "roots": {root: "lost"}}
+    assert {p: r["state"] for p, r in w.stats()["roots"].items()} == {root: "lost"}
     os.makedirs(root)
-    wait_for(lambda: w.health()["ok"], timeout=10)
+    wait_for(lambda: all(r["state"] == "watching" for r in w.stats()["roots"].values()), timeout=10)
     assert rec.rescans == [root]
     path = os.path.join(root, "b.pt")
     write(path, b"y" * 77)
@@ -153,9 +153,9 @@ def test_root_deleted_and_recreated_is_watched_again(tmp_path, watch, mode):
 def test_missing_root_is_armed_when_it_appears(tmp_path, watch):
     root = str(tmp_path / "later")
     w, rec = watch("auto", roots=[root])
-    assert w.health() == {"ok": False, "roots": {root: "missing"}}
+    assert {p: r["state"] for p, r in w.stats()["roots"].items()} == {root: "missing"}
     os.makedirs(root)
-    wait_for(lambda: w.health()["ok"], timeout=10)
+    wait_for(lambda: all(r["state"] == "watching" for r in w.stats()["roots"].values()), timeout=10)
     path = os.path.join(root, "x.ckpt")
     write(path)
     rec.wait("closed_write", path)
@@ -549,3 +549,34 @@ def test_rescan_reconciles_writers_missed_and_closes_lost(tmp_path):
         assert scanner.stats()["full_scans"] == 0
     finally:
         _reap(holder)
+
+
+def test_a_broken_inotify_import_on_linux_is_loud(tmp_path):
+    # watchdog's inotify module failing to import (a watchdog outside the pinned range, a
+    # broken install) must not silently turn every root into a polled one.
+    code = r"""
+import json, logging, sys
+import watchdog.observers                              # the real package, as installed
+for name in ("watchdog.observers.inotify", "watchdog.observers.inotify_c"):
+    sys.modules.pop(name, None)
+sys.modules["watchdog.observers.inotify_c"] = None     # our inotify import now fails
+logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+from monitor.fs import watch
+w = watch.Watcher([sys.argv[1]], mode="auto")
+w.start()
+stats = w.stats()
+w.stop()
+print(json.dumps({"unavailable": stats["inotify_unavailable"],
+                  "modes": sorted({r["mode"] for r in stats["roots"].values()})}))
+"""
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], env=subprocess_env(),
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    import json
+    assert json.loads(out.stdout) == {"unavailable": 1, "modes": ["polling"]}
+    assert "ERROR" in out.stderr and "inotify is unavailable" in out.stderr
+
+
+def test_inotify_is_available_here():
+    # The counterpart: on this Linux machine the pinned watchdog's inotify imports.
+    assert fswatch.inotify_available() and not fswatch.inotify_broken()

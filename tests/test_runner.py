@@ -1,5 +1,4 @@
 """monitor.cli.run: `ckptwatch run` environment and exec, with real child processes."""
-import argparse
 import os
 import subprocess
 import sys
@@ -59,14 +58,6 @@ def test_non_executable_file_exits_126(tmp_path, capsys):
     target.chmod(0o644)
     assert runner.run([str(target)]) == 126
     assert "cannot execute" in capsys.readouterr().err
-
-
-def test_add_arguments_and_run_args():
-    parser = argparse.ArgumentParser()
-    runner.add_arguments(parser)
-    args = parser.parse_args(["--socket", "/s.sock", "--", "ckptwatch-no-such-command-xyz"])
-    assert args.socket == "/s.sock"
-    assert runner.run_args(args) == 127
 
 
 def test_run_execs_a_real_python_child_with_the_hook_active(sock, tmp_path):

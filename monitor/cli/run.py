@@ -8,7 +8,6 @@ not instrumented.
 """
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import sys
@@ -58,16 +57,3 @@ def run(argv: list[str], socket: str | None = None) -> int:
         print(f"ckptwatch run: cannot execute {argv[0]}: {exc.strerror or exc}", file=sys.stderr)
         return EXIT_NOT_EXECUTABLE
     return EXIT_NOT_EXECUTABLE  # not reached: execvpe does not return
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add `run`'s arguments to a (sub)parser; call run_args() with the parsed namespace."""
-    parser.add_argument("--socket", metavar="PATH", default=None,
-                        help="agent socket (default: $CKPTWATCH_SOCKET or the per-user default)")
-    parser.add_argument("command", nargs=argparse.REMAINDER,
-                        help="the command to run, after --")
-
-
-def run_args(args: argparse.Namespace) -> int:
-    """run() for a namespace parsed with add_arguments()."""
-    return run(list(args.command), socket=args.socket)

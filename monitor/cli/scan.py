@@ -26,7 +26,7 @@ from monitor.verify import crc
 from monitor.verify import integrity
 from monitor.cli.report import human_bytes
 
-DEFAULT_PATTERNS = ("*.pt", "*.pth", "*.bin", "*.ckpt", "*.safetensors", "*.distcp")
+from monitor.fs.options import CHECKPOINT_PATTERNS as DEFAULT_PATTERNS  # noqa: E402
 
 EXIT_OK = 0
 EXIT_CORRUPT = 1

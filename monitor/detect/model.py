@@ -11,7 +11,6 @@ from dataclasses import dataclass, field
 KIND_CONCURRENT = "concurrent"
 KIND_REDUNDANT = "redundant"
 SCOPE_NODE = "node"
-SCOPE_JOB = "job"
 SOURCE_HOOK = "hook"
 SOURCE_FS = "fs"
 

@@ -25,7 +25,7 @@ FILE_CLOSED = "file_closed" # delivered for every finished write: verify the fil
 FILE_CHANGED = "file_changed"  # delivered once per write in progress: not yet
 
 
-ATTRIBUTIONS = ("auto", "fanotify", "proc")
+from monitor.fs.options import ATTRIBUTIONS  # noqa: E402
 
 
 class FsSource:
@@ -101,6 +101,7 @@ class FsSource:
         watched = self.watcher.stats()
         scans = self.scanner.stats()
         return {"events_lost": watched["events_lost"], "fallbacks": watched["fallbacks"],
+                "inotify_unavailable": watched["inotify_unavailable"],
                 "roots": watched["roots"], "attributions": scans["scans"],
                 "attribution_seconds": scans["total_seconds"],
                 "attribution_errors": scans["errors"], "dropped": self.dropped_total,

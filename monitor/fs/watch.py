@@ -27,6 +27,7 @@ import errno
 import fnmatch
 import logging
 import os
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -37,16 +38,22 @@ from watchdog.observers.api import BaseObserver
 from watchdog.observers.polling import PollingObserver
 
 
-try:   # Linux only
+# The inotify backend subclasses watchdog 7.x internals (pinned <8 in pyproject). On Linux a
+# failed import is a broken install, not a platform limit: it is kept and reported loudly (an
+# ERROR line when a Watcher starts, ckptwatch_fs_inotify_unavailable = 1), never swallowed, since
+# polling every root instead costs CPU and misses short saves.
+INOTIFY_IMPORT_ERROR: str | None = None
+try:
     from watchdog.observers.inotify import InotifyEmitter, InotifyObserver, InotifyWatchGroup
     from watchdog.observers.inotify_c import InotifyFD
-except (ImportError, OSError):   # pragma: no cover - not Linux
+except (ImportError, OSError) as _exc:
     InotifyEmitter = InotifyObserver = InotifyWatchGroup = InotifyFD = None
+    INOTIFY_IMPORT_ERROR = f"{type(_exc).__name__}: {_exc}"
 
 log = logging.getLogger("ckptwatch.fswatch")
 
-DEFAULT_PATTERNS = ("*.pt", "*.pth", "*.bin", "*.ckpt", "*.safetensors", "*.distcp")
-MODES = ("auto", "inotify", "polling")
+from monitor.fs.options import CHECKPOINT_PATTERNS as DEFAULT_PATTERNS  # noqa: E402
+from monitor.fs.options import WATCH_MODES as MODES  # noqa: E402
 # Paths named by hook events that count as checkpoints whatever their names (bounded).
 MAX_NAMED = 10000
 SOURCE_FS = "fs"
@@ -228,6 +235,11 @@ def inotify_available() -> bool:
     return InotifyFD is not None
 
 
+def inotify_broken() -> bool:
+    """On Linux, inotify could not be imported: a broken install to report, not a platform."""
+    return sys.platform.startswith("linux") and not inotify_available()
+
+
 # ---------------------------------------------------------------------- Watcher
 
 @dataclass
@@ -266,7 +278,12 @@ class Watcher:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
         if mode == "inotify" and not inotify_available():
-            raise ValueError("mode 'inotify' needs Linux inotify")
+            raise ValueError("mode 'inotify' needs Linux inotify"
+                             + (f" (import failed: {INOTIFY_IMPORT_ERROR})"
+                                if INOTIFY_IMPORT_ERROR else ""))
+        if mode == "auto" and inotify_broken():
+            log.error("inotify is unavailable on Linux (%s): every root is polled instead; "
+                      "reinstall watchdog>=7.1,<8", INOTIFY_IMPORT_ERROR)
         if poll_interval <= 0 or rearm_interval <= 0:
             raise ValueError("poll_interval and rearm_interval must be > 0")
         self.mode = mode
@@ -348,17 +365,13 @@ class Watcher:
         """
         with self._lock:
             out = dict(self._counts)
+            out["inotify_unavailable"] = int(inotify_broken())
             out["unsettled"] = len(self._unsettled)
         out["mode"] = self.mode
         out["roots"] = {r.path: {"mode": r.mode, "state": r.state, "fallback": r.fallback,
                                  "rearms": r.rearms, "losses": r.losses}
                         for r in list(self._roots.values())}
         return out
-
-    def health(self) -> dict:
-        """{"ok": every root watched, "roots": {root: state}}."""
-        roots = {r.path: r.state for r in list(self._roots.values())}
-        return {"ok": all(s == WATCHING for s in roots.values()), "roots": roots}
 
     # ------------------------------------------------------------------ observers
 
