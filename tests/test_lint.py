@@ -168,6 +168,34 @@ def test_suppression_by_code_and_for_all_codes():
     assert lint(code) == [(6, "CKW001"), (7, "CKW001")]
 
 
+def test_accelerate_saves_are_main_process_only_unless_saved_on_each_node():
+    code = textwrap.dedent("""
+        from accelerate import Accelerator
+        accelerator = Accelerator()
+        accelerator.save({}, "a.pt")
+        accelerator.save_model(model, "out")
+        """)
+    assert lint(code) == []
+    each_node = code.replace("Accelerator()", "Accelerator(project_config=ProjectConfiguration("
+                             "save_on_each_node=True))")
+    findings = lint_source(each_node, "t.py")
+    assert [(f.line, f.code) for f in findings] == [(4, "CKW002"), (5, "CKW002")]
+    assert "save_on_each_node" in findings[0].message
+
+
+def test_local_rank_message_names_the_guard_or_the_path():
+    findings = lint_source(DIST + textwrap.dedent("""
+        if local_rank == 0:
+            torch.save({}, "a.pt")
+        torch.save({}, f"b{local_rank}.pt")
+        tok.save_pretrained("out", is_main_process=accelerator.is_local_main_process)
+        """), "t.py")
+    assert [f.code for f in findings] == ["CKW002", "CKW002", "CKW002"]
+    assert "guarded only by the local rank" in findings[2].message
+    assert "guarded only by the local rank" in findings[0].message
+    assert "path holds only the local rank" in findings[1].message
+
+
 def test_syntax_error_is_a_finding():
     findings = lint_source("import torch.distributed\ndef f(:\n", "bad.py")
     assert [(f.line, f.code) for f in findings] == [(2, "CKW999")]

@@ -79,6 +79,7 @@ class _Write:
     path_level: int = ALL       # ONE: per-rank path, NODE: per-node path
     self_guarded: int = ALL     # is_main_process=..., accelerate's own guard
     collective: bool = False
+    each_node: bool = False     # accelerate with save_on_each_node=True
 
 
 @dataclass
@@ -271,7 +272,7 @@ class _Module:
                     yield (w.call, UNGUARDED,
                            f"{w.what} runs on every rank; guard it with "
                            "`if dist.get_rank() == 0:` or put the rank in the path")
-                elif effective == NODE and guarded == NODE and w.self_guarded == NODE:
+                elif effective == NODE and guarded == NODE and w.each_node:
                     yield (w.call, LOCAL_ONLY,
                            f"{w.what} saves on each node (save_on_each_node=True): nodes "
                            "collide on shared storage")
@@ -431,8 +432,11 @@ class _Walker:
             # accelerate writes on the main process only, or on each node's main process
             # with save_on_each_node=True.
             own = NODE if self.m.save_on_each_node else ONE
-            return self.file_write(call, f"{receiver}.{attr}", level, _arg(call, 1, "f"),
-                                   self_guarded=own)
+            write = self.file_write(call, f"{receiver}.{attr}", level, _arg(call, 1, "f"),
+                                    self_guarded=own)
+            if write is not None:
+                write.each_node = self.m.save_on_each_node
+            return write
         if qual == "torch.save":
             return self.file_write(call, "torch.save", level, _arg(call, 1, "f"))
         if qual in _NUMPY:
