@@ -202,6 +202,15 @@ def test_syntax_error_is_a_finding():
     assert "syntax error" in findings[0].message
 
 
+def test_deeply_nested_source_is_a_finding_not_a_crash():
+    deep = "import torch.distributed\nx = " + "+".join(["rank"] * 20000) + "\n"
+    findings = lint_source(deep, "deep.py")
+    assert [f.code for f in findings] == ["CKW999"]
+    nested_ifs = "import torch.distributed\n" + "".join(
+        " " * i + "if rank == 0:\n" for i in range(90)) + " " * 90 + "torch.save(x, 'a')\n"
+    assert lint_source(nested_ifs, "ifs.py") == []
+
+
 # ---------------------------------------------------------------------------- the command
 
 

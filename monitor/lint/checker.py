@@ -105,11 +105,18 @@ def lint_source(source: str, path: str = "<string>",
         col = getattr(err, "offset", None) or 1
         msg = getattr(err, "msg", None) or str(err)
         return [Finding(path, line, col, UNREADABLE, f"syntax error: {msg}")]
-    module = _Module(tree)
-    if not (assume_distributed or module.distributed):
-        return []
-    findings = [Finding(path, call.lineno, call.col_offset + 1, code, message)
-                for call, code, message in module.findings()]
+    except (RecursionError, MemoryError):
+        return [Finding(path, 1, 1, UNREADABLE, "too deeply nested to parse")]
+    try:
+        module = _Module(tree)
+        if not (assume_distributed or module.distributed):
+            return []
+        findings = [Finding(path, call.lineno, call.col_offset + 1, code, message)
+                    for call, code, message in module.findings()]
+    except RecursionError:
+        # The walk recurses per nesting level; code nested past the interpreter's limit is
+        # reported as unchecked rather than crashing the whole run.
+        return [Finding(path, 1, 1, UNREADABLE, "too deeply nested to analyse")]
     suppressed = _suppressions(source)
     return sorted(f for f in findings if not _is_suppressed(f, suppressed, module.spans))
 
