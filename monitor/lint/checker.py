@@ -243,12 +243,14 @@ class _Module:
             level[id(unit)] = unit.decorated
         functions = [u for u in self.units if u is not self.module_unit
                      and u.decorated == ALL]
+        by_name = {}
+        for u in functions:
+            by_name.setdefault((u.name, u.is_method), []).append(u)
         sites = {id(u): [] for u in functions}
         for caller in self.units:
             for (name, by_attr, at) in caller.calls:
-                for u in functions:
-                    if u.name == name and u.is_method == by_attr:
-                        sites[id(u)].append((caller, at))
+                for u in by_name.get((name, by_attr), ()):
+                    sites[id(u)].append((caller, at))
         for _ in range(len(functions) + 1):
             changed = False
             for u in functions:
