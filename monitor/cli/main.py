@@ -18,6 +18,7 @@ ckptwatch: catch concurrent torch.save writes to one checkpoint path, and say wh
   ckptwatch run -- torchrun ...       run a job with every torch.save instrumented
   ckptwatch report [--journal PATH]   who wrote what, when, and the fix
   ckptwatch scan PATH... [--deep]     find corrupt checkpoints on disk (exit 1 if any)
+  ckptwatch lint PATH...              find checkpoint saves that several ranks can run
 """
 
 
@@ -58,6 +59,11 @@ def build_parser() -> argparse.ArgumentParser:
     from monitor.cli import scan as scan_mod
     scan_mod.add_arguments(scan)
 
+    lint = sub.add_parser("lint", help="find checkpoint writes that more than one rank can "
+                          "run, in Python sources (exit 1 if any)")
+    from monitor.cli import lint as lint_mod
+    lint_mod.add_arguments(lint)
+
     demo = sub.add_parser("demo", help="start a private agent, run a colliding 4-rank CPU job "
                           "and its fixed version, print what ckptwatch saw")
     demo.add_argument("--nproc", type=int, default=4, help="ranks in the demo job (default 4)")
@@ -85,6 +91,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "scan":
         from monitor.cli import scan
         return scan.run(args)
+    if args.command == "lint":
+        from monitor.cli import lint
+        return lint.run(args)
     if args.command == "demo":
         from monitor.cli import demo
         return demo.run(nproc=args.nproc, keep=args.keep)
