@@ -168,6 +168,62 @@ def flip_tensor_byte(src: str, dst: str) -> str:
     return dst
 
 
+# ---------------------------------------------------------------------------- hostile files
+
+def torch_zip_bytes(pickle_bytes: bytes, prefix: str = "archive", extra: dict | None = None) -> bytes:
+    """A structurally valid torch zip (stored records, a version record) around any data.pkl:
+    the verifier's pickle reader is then the only thing that judges it."""
+    import io
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", zipfile.ZIP_STORED) as z:
+        z.writestr(f"{prefix}/data.pkl", pickle_bytes)
+        z.writestr(f"{prefix}/byteorder", b"little")
+        for name, data in (extra or {}).items():
+            z.writestr(f"{prefix}/{name}", data)
+        z.writestr(f"{prefix}/version", b"3\n")
+    return buf.getvalue()
+
+
+def memo_bomb_pickle(index: int = 2 ** 27) -> bytes:
+    """PROTO 2, NONE, LONG_BINPUT index, STOP: an unpickler that stores its memo in an array
+    grows the array to hold `index` entries (2**27: 2 GB) for an 11-byte pickle."""
+    import struct
+    return b"\x80\x02N" + b"r" + struct.pack("<I", index) + b"."
+
+
+def memo_bomb(path: str, index: int = 2 ** 27) -> str:
+    with open(path, "wb") as f:
+        f.write(torch_zip_bytes(memo_bomb_pickle(index)))
+    return path
+
+
+def run_measured(argv: list, env: dict | None = None, limit_bytes: int = 1 << 30,
+                 timeout: float = 120):
+    """Run argv under an address-space cap (a regression then fails with MemoryError instead
+    of swapping the machine). Returns (returncode, stdout, stderr, peak RSS in bytes) of that
+    one child: wait4's rusage (RUSAGE_CHILDREN would mix in every other child of the run)."""
+    import resource
+    import tempfile
+    import threading
+
+    def cap():
+        resource.setrlimit(resource.RLIMIT_AS, (limit_bytes, limit_bytes))
+
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        proc = subprocess.Popen(argv, env=env, stdout=out, stderr=err, preexec_fn=cap)
+        killer = threading.Timer(timeout, proc.kill)
+        killer.start()
+        try:
+            _, status, usage = os.wait4(proc.pid, 0)
+        finally:
+            killer.cancel()
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        out.seek(0)
+        err.seek(0)
+        return (proc.returncode, out.read().decode(), err.read().decode(),
+                usage.ru_maxrss * 1024)
+
+
 # ---------------------------------------------------------------------------- real races
 
 def race_checkpoints(directory: str, rounds: int = 20, width: int = 2048,
