@@ -197,31 +197,36 @@ def memo_bomb(path: str, index: int = 2 ** 27) -> str:
     return path
 
 
-def run_measured(argv: list, env: dict | None = None, limit_bytes: int = 1 << 30,
+_MEASURED = r"""
+import atexit, os, resource, runpy, sys
+limit = int(sys.argv[1])
+resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+def report():
+    with open("/proc/self/status") as f:
+        peak = [line.split()[1] for line in f if line.startswith("VmHWM:")][0]
+    os.write(2, b"\nPEAK_RSS_KB " + peak.encode() + b"\n")
+atexit.register(report)
+mode, target, *rest = sys.argv[2:]
+sys.argv = [target] + rest
+if mode == "-m":
+    runpy.run_module(target, run_name="__main__", alter_sys=True)
+else:
+    exec(compile(target, "<string>", "exec"), {"__name__": "__main__"})
+"""
+
+
+def run_measured(python_args: list, env: dict | None = None, limit_bytes: int = 1 << 30,
                  timeout: float = 120):
-    """Run argv under an address-space cap (a regression then fails with MemoryError instead
-    of swapping the machine). Returns (returncode, stdout, stderr, peak RSS in bytes) of that
-    one child: wait4's rusage (RUSAGE_CHILDREN would mix in every other child of the run)."""
-    import resource
-    import tempfile
-    import threading
-
-    def cap():
-        resource.setrlimit(resource.RLIMIT_AS, (limit_bytes, limit_bytes))
-
-    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-        proc = subprocess.Popen(argv, env=env, stdout=out, stderr=err, preexec_fn=cap)
-        killer = threading.Timer(timeout, proc.kill)
-        killer.start()
-        try:
-            _, status, usage = os.wait4(proc.pid, 0)
-        finally:
-            killer.cancel()
-        proc.returncode = os.waitstatus_to_exitcode(status)
-        out.seek(0)
-        err.seek(0)
-        return (proc.returncode, out.read().decode(), err.read().decode(),
-                usage.ru_maxrss * 1024)
+    """Run `python ARGS` (["-m", module, ...] or ["-c", code, ...]) under an address-space
+    cap (a regression then fails with MemoryError instead of swapping the machine). Returns
+    (returncode, stdout, stderr, peak RSS in bytes). The peak is the child's own VmHWM, read
+    at exit: rusage from wait4 would count the pytest process the child was forked from."""
+    proc = subprocess.run([sys.executable, "-c", _MEASURED, str(limit_bytes), *python_args],
+                          env=env, capture_output=True, text=True, timeout=timeout)
+    err, _, peak = proc.stderr.rpartition("\nPEAK_RSS_KB ")
+    if not peak.strip().isdigit():          # died before atexit (killed, or a crash)
+        return proc.returncode, proc.stdout, proc.stderr, None
+    return proc.returncode, proc.stdout, err, int(peak) * 1024
 
 
 # ---------------------------------------------------------------------------- real races
