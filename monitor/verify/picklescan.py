@@ -444,6 +444,9 @@ def scan_pickle(data: bytes, budget: int = BUDGET) -> dict:
             stack.append(None)          # protocol 0 ids are strings, never torch's tuples
         elif kind == _K_STOP:
             return found
+        elif name == "FRAME" and int.from_bytes(raw, "little") > end - i:
+            raise ValueError(f"FRAME of {int.from_bytes(raw, 'little')} bytes runs past the "
+                             "end (truncated)")
         # _K_NOP: PROTO, FRAME
 
 
