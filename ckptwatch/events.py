@@ -189,7 +189,8 @@ def decode(payload: bytes) -> dict:
         raise EventError(REJECT_OVERSIZED, f"{len(payload)} bytes")
     try:
         event = json.loads(payload.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as exc:
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        # RecursionError: one 64 KiB frame of "[[[[..." nests deeper than json parses.
         raise EventError(REJECT_MALFORMED, str(exc)[:80]) from None
     return validate(event)
 
@@ -205,7 +206,7 @@ def decode_many(payloads: list) -> list:
     if len(payloads) > 1:
         try:
             values = json.loads(b"[" + b",".join(payloads) + b"]")
-        except ValueError:
+        except (ValueError, RecursionError):
             values = None
         if values is not None and len(values) == len(payloads):
             return [_attempt(validate, value) for value in values]

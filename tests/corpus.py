@@ -168,6 +168,67 @@ def flip_tensor_byte(src: str, dst: str) -> str:
     return dst
 
 
+# ---------------------------------------------------------------------------- hostile files
+
+def torch_zip_bytes(pickle_bytes: bytes, prefix: str = "archive", extra: dict | None = None) -> bytes:
+    """A structurally valid torch zip (stored records, a version record) around any data.pkl:
+    the verifier's pickle reader is then the only thing that judges it."""
+    import io
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", zipfile.ZIP_STORED) as z:
+        z.writestr(f"{prefix}/data.pkl", pickle_bytes)
+        z.writestr(f"{prefix}/byteorder", b"little")
+        for name, data in (extra or {}).items():
+            z.writestr(f"{prefix}/{name}", data)
+        z.writestr(f"{prefix}/version", b"3\n")
+    return buf.getvalue()
+
+
+def memo_bomb_pickle(index: int = 2 ** 27) -> bytes:
+    """PROTO 2, NONE, LONG_BINPUT index, STOP: an unpickler that stores its memo in an array
+    grows the array to hold `index` entries (2**27: 2 GB) for an 11-byte pickle."""
+    import struct
+    return b"\x80\x02N" + b"r" + struct.pack("<I", index) + b"."
+
+
+def memo_bomb(path: str, index: int = 2 ** 27) -> str:
+    with open(path, "wb") as f:
+        f.write(torch_zip_bytes(memo_bomb_pickle(index)))
+    return path
+
+
+_MEASURED = r"""
+import atexit, os, resource, runpy, sys
+limit = int(sys.argv[1])
+resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+def report():
+    with open("/proc/self/status") as f:
+        peak = [line.split()[1] for line in f if line.startswith("VmHWM:")][0]
+    os.write(2, b"\nPEAK_RSS_KB " + peak.encode() + b"\n")
+atexit.register(report)
+mode, target, *rest = sys.argv[2:]
+sys.argv = [target] + rest
+if mode == "-m":
+    runpy.run_module(target, run_name="__main__", alter_sys=True)
+else:
+    exec(compile(target, "<string>", "exec"), {"__name__": "__main__"})
+"""
+
+
+def run_measured(python_args: list, env: dict | None = None, limit_bytes: int = 1 << 30,
+                 timeout: float = 120):
+    """Run `python ARGS` (["-m", module, ...] or ["-c", code, ...]) under an address-space
+    cap (a regression then fails with MemoryError instead of swapping the machine). Returns
+    (returncode, stdout, stderr, peak RSS in bytes). The peak is the child's own VmHWM, read
+    at exit: rusage from wait4 would count the pytest process the child was forked from."""
+    proc = subprocess.run([sys.executable, "-c", _MEASURED, str(limit_bytes), *python_args],
+                          env=env, capture_output=True, text=True, timeout=timeout)
+    err, _, peak = proc.stderr.rpartition("\nPEAK_RSS_KB ")
+    if not peak.strip().isdigit():          # died before atexit (killed, or a crash)
+        return proc.returncode, proc.stdout, proc.stderr, None
+    return proc.returncode, proc.stdout, err, int(peak) * 1024
+
+
 # ---------------------------------------------------------------------------- real races
 
 def race_checkpoints(directory: str, rounds: int = 20, width: int = 2048,

@@ -8,6 +8,7 @@ import os
 import random
 import shutil
 import struct
+import sys
 import time
 import zipfile
 
@@ -481,3 +482,30 @@ def test_plain_zip_is_not_a_torch_checkpoint(tmp_path):
     v = verify(path)
     assert (v.status, v.format) == (UNVERIFIABLE, "torch-zip")
     assert "not a torch checkpoint" in v.reason
+
+
+# ---------------------------------------------------------------------------- hostile files
+
+def test_memo_bomb_is_corrupt_out_of_bounds(tmp_path):
+    """PROTO 2, NONE, LONG_BINPUT 2**25, STOP: no pickler numbers memo entries out of order;
+    the C unpickler would allocate a 512 MB table for it (checked in a subprocess below)."""
+    bomb = corpus.memo_bomb(str(tmp_path / "bomb.pt"), 2 ** 25)
+    v = verify(bomb)
+    assert (v.status, v.details.get("cause")) == (CORRUPT, "out_of_bounds"), v
+    assert "memo" in v.reason
+    assert integrity.corrupt_cause(v.reason) == "out_of_bounds"
+
+
+def test_memo_bomb_through_the_verifier_worker_stays_small(tmp_path):
+    """The agent's path: monitor.verify.worker.Verifier (deep, as the agent runs it) in a
+    child process under a 400 MB address-space cap, peak RSS measured."""
+    from helpers import subprocess_env
+    bomb = corpus.memo_bomb(str(tmp_path / "bomb.pt"), 2 ** 27)
+    code = ("import json, sys; from monitor.verify.worker import Verifier; "
+            "v = Verifier().verify(sys.argv[1]); print(json.dumps(v.to_record()))")
+    rc, out, err, peak = corpus.run_measured(["-c", code, bomb],
+                                             env=subprocess_env(), limit_bytes=400 << 20)
+    assert rc == 0, err
+    record = json.loads(out)
+    assert (record["result"], record["cause"]) == (CORRUPT, "out_of_bounds"), record
+    assert peak is not None and peak < 80 << 20, f"peak RSS {peak} bytes"

@@ -169,3 +169,19 @@ def test_progress_bar_drawn_on_tty_stderr(tree, monkeypatch):
     scan.run(parser.parse_args([str(tree / "ok")]), out=out, err=err)
     assert "files" in err.getvalue() and err.getvalue().endswith("\r\033[K")
     assert "\r" not in out.getvalue()              # stdout stays clean for pipes
+
+
+def test_memo_bomb_is_not_ok_and_scan_stays_small(tmp_path):
+    """A 2**27 memo index in an 11-byte data.pkl once made scan grow a 2 GB memo table and
+    then call the file "ok". Under a 400 MB address-space cap (the old code dies of
+    MemoryError there or falls back to a reader that says ok) the verdict must be a refusal
+    and the peak RSS small."""
+    bomb = corpus.memo_bomb(str(tmp_path / "bomb.pt"), 2 ** 27)
+    code, out, err, peak = corpus.run_measured(
+        ["-m", "monitor.cli.scan", "--format", "json", bomb],
+        env=subprocess_env(), limit_bytes=400 << 20)
+    [result] = json.loads(out)["files"]
+    assert result["status"] != "ok", result
+    assert result["status"] == "corrupt" and result["details"]["cause"] == "out_of_bounds"
+    assert code == scan.EXIT_CORRUPT, err
+    assert peak is not None and peak < 80 << 20, f"peak RSS {peak} bytes"

@@ -38,7 +38,7 @@ import time
 from dataclasses import dataclass, field
 
 from .crc import crc32
-from .picklescan import persistent_storages
+from .picklescan import BeyondBudget, OutOfBounds, persistent_storages
 
 OK = "ok"
 CORRUPT = "corrupt"
@@ -53,8 +53,13 @@ FMT_EMPTY = "empty"
 FMT_UNKNOWN = "unknown"
 
 CHUNK = 1 << 20                      # deep reads stream in 1 MiB chunks
-MAX_PICKLE_BYTES = 256 << 20         # data.pkl larger than this is not parsed (sizes unjudged)
-MAX_SAFETENSORS_HEADER = 100 << 20   # the safetensors library's own limit
+# Memory bounds: no input makes a verification hold much more than ~64 MiB (picklescan's
+# budgets plus the bytes read here); docs/integrity.md "Memory bounds".
+MAX_PICKLE_BYTES = 16 << 20          # data.pkl larger than this is not parsed (sizes unjudged)
+MAX_SAFETENSORS_HEADER = 100 << 20   # the safetensors library's own limit (format sniffing)
+MAX_SAFETENSORS_PARSE = 2 << 20      # JSON makes up to ~25 B of objects per byte: parse less
+MAX_DIRECTORY_BYTES = 16 << 20       # central directory read into memory
+MAX_ENTRIES = 200_000                # records per archive (torch: one per storage + 3)
 TAIL_SEARCH = 65536 + 22             # a zip comment is at most 64 KiB
 
 # Element sizes of the storage types torch pickles ('storage', <type>, key, location, numel).
@@ -150,7 +155,7 @@ def _verify_open(f, size: int, path: str, deep: bool, throttle: "_Throttle") -> 
         return Verdict(UNVERIFIABLE, fmt, str(e))
 
 
-CAUSES = ("empty", "truncated", "torn", "crc_mismatch", "inconsistent")
+CAUSES = ("empty", "truncated", "torn", "crc_mismatch", "inconsistent", "out_of_bounds")
 
 
 def corrupt_cause(reason: str) -> str:
@@ -163,6 +168,8 @@ def corrupt_cause(reason: str) -> str:
         return "truncated"
     if reason.startswith("CRC32 mismatch"):
         return "crc_mismatch"
+    if reason.startswith("out of bounds"):
+        return "out_of_bounds"
     if "torn" in reason or "overwritten" in reason or "overlap" in reason:
         return "torn"
     return "inconsistent"
@@ -328,8 +335,12 @@ def _find_directory(f, end: int):
 
 
 def _read_directory(f, cd_pos: int, cd_size: int, count: int, start: int) -> list:
-    if cd_size > 512 << 20:
-        raise _Unverifiable(f"central directory of {cd_size} bytes is too large to read")
+    if cd_size > MAX_DIRECTORY_BYTES:
+        raise _Unverifiable(f"central directory of {cd_size} bytes is larger than the "
+                            f"verifier reads ({MAX_DIRECTORY_BYTES >> 20} MiB)")
+    if count > MAX_ENTRIES:
+        raise _Unverifiable(f"zip archive of {count} records: more than the verifier checks "
+                            f"({MAX_ENTRIES})")
     data = _pread(f, cd_pos, cd_size)
     if len(data) != cd_size:
         raise _Corrupt("truncated: central directory extends past the end of the file")
@@ -465,6 +476,12 @@ def _persistent_storages(data: bytes, what: str) -> dict:
     (monitor.verify.picklescan: nothing the pickle names is imported or run)."""
     try:
         return persistent_storages(data)
+    except OutOfBounds as e:
+        raise _Corrupt(f"out of bounds: {what}: {str(e).removeprefix('out of bounds: ')}") \
+            from None
+    except BeyondBudget as e:
+        raise _Unverifiable(f"{what} is too large to check within the verifier's memory "
+                            f"bound: {e}") from None
     except (ValueError, IndexError, KeyError, TypeError, OverflowError,
             UnicodeDecodeError) as e:
         raise _Corrupt(f"{what} is not a valid pickle ({e})") from None
@@ -509,10 +526,15 @@ def _verify_safetensors(f, size, path, deep, throttle) -> Verdict:
     if 8 + n > size:
         raise _Corrupt(f"truncated: the header says {n} bytes, the file holds {size - 8} "
                        "after the length")
+    if n > MAX_SAFETENSORS_PARSE:
+        raise _Unverifiable(f"header of {n} bytes is larger than the verifier parses "
+                            f"({MAX_SAFETENSORS_PARSE >> 20} MiB)")
     try:
         header = json.loads(_pread(f, 8, n))
     except (ValueError, UnicodeDecodeError) as e:
         raise _Corrupt(f"header is not valid JSON ({e})") from None
+    except RecursionError:
+        raise _Corrupt("header is not valid JSON (nested deeper than Python parses)") from None
     if not isinstance(header, dict):
         raise _Corrupt("header is not a JSON object")
     data_len = size - 8 - n
@@ -617,12 +639,18 @@ class _Bounded:
 
 def _read_pickle(f, size: int, index: int) -> bytes:
     start = f.tell()
+    # genops decodes every argument: never let it see more than MAX_PICKLE_BYTES.
+    limit = min(size, start + MAX_PICKLE_BYTES)
     try:
-        for _ in pickletools.genops(_Bounded(f, size)):
+        for _ in pickletools.genops(_Bounded(f, limit)):
             pass
     except (ValueError, struct.error) as e:
         if f.tell() >= size:      # the parse ran into the end of the file
             raise _Corrupt(f"truncated: pickle {index + 1} of 5 is cut short") from None
+        if f.tell() >= limit:
+            raise _Unverifiable(f"legacy torch file whose pickle {index + 1} of 5 is larger "
+                                f"than the verifier reads ({MAX_PICKLE_BYTES >> 20} MiB)") \
+                from None
         raise _Corrupt(f"pickle {index + 1} of 5 is not a valid pickle ({e})") from None
     end = f.tell()
     f.seek(start)
