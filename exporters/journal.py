@@ -24,7 +24,7 @@ from typing import Callable, Iterator
 # scalar) must not lose the line.
 _ENCODER = json.JSONEncoder(separators=(",", ":"), default=str)
 
-from monitor.detect.model import Collision, Write
+from monitor.detect.model import Collision, Finding, Write
 
 SYSTEM_JOURNAL_PATH = "/var/lib/ckptwatch/journal.jsonl"
 DEFAULT_JOURNAL_PATH = SYSTEM_JOURNAL_PATH
@@ -51,28 +51,18 @@ def default_journal_path(environ=None, euid: int | None = None) -> str:
 
 
 def write_record(w: Write) -> dict:
-    """{"type": "write", **w.to_record()}, built in one step: the journal writes one of these
-    per finished save, and the intermediate dicts were a fifth of the agent's cost per event
-    at full ingest rate. tests/test_journal.py keeps the two equal."""
-    wr = w.writer
-    end = w.end_mono
-    return {"type": "write", "node": wr.node, "pid": wr.pid, "rank": wr.rank,
-            "local_rank": wr.local_rank, "world_size": wr.world_size,
-            "local_world_size": wr.local_world_size, "node_rank": wr.node_rank, "job": wr.job,
-            "master": wr.master, "restart": wr.restart, "path": w.path, "seq": w.seq,
-            "start_wall": w.start_wall, "end_wall": w.end_wall,
-            "duration": None if end is None else max(0.0, end - w.start_mono),
-            "bytes": w.bytes, "outcome": w.outcome, "site": w.site, "func": w.func,
-            "source": w.source}
+    """The journal's "write" record: {"type": "write", **Write.to_record()}."""
+    rec = {"type": "write"}
+    rec.update(w.to_record())
+    return rec
 
 
 def to_record(item) -> dict:
-    """The journal record of a Write, a Collision, or a dict that already has a "type"."""
-    if type(item) is Write:
-        return write_record(item)
+    """The journal record of a Write, a Collision, a Finding, or a dict that already has a
+    "type"."""
     if isinstance(item, Write):
-        return {"type": "write", **item.to_record()}
-    if isinstance(item, Collision):
+        return write_record(item)
+    if isinstance(item, (Collision, Finding)):
         return item.to_record()
     if isinstance(item, dict) and isinstance(item.get("type"), str):
         return dict(item)
