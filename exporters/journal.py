@@ -24,7 +24,7 @@ from typing import Callable, Iterator
 # scalar) must not lose the line.
 _ENCODER = json.JSONEncoder(separators=(",", ":"), default=str)
 
-from monitor.detect.model import Collision, Finding, Write
+from monitor.detect.model import FINDING_VERIFICATION, Collision, Finding, Write
 
 SYSTEM_JOURNAL_PATH = "/var/lib/ckptwatch/journal.jsonl"
 DEFAULT_JOURNAL_PATH = SYSTEM_JOURNAL_PATH
@@ -248,3 +248,43 @@ def read_records(path: str, stats: ReadStats | None = None) -> Iterator[dict]:
                     continue
                 stats.records += 1
                 yield record
+
+
+class JournalExporter:
+    """The journal as an exporter (exporters.fanout.Exporter): one line per finished write,
+    collision and finding; a verification only when it found something (corrupt or
+    unverifiable: an "ok" line per save would double the journal). `on_error` is called for
+    every line lost (the agent counts them in a metric)."""
+
+    def __init__(self, journal: Journal, on_error: Callable[[], None] = lambda: None):
+        self.journal = journal
+        self._on_error = on_error
+
+    def _write(self, item) -> None:
+        if not self.journal.write(item):     # never raises; a lost line is counted
+            self._on_error()
+
+    def publish_write(self, write: Write) -> None:
+        self._write(write)
+
+    def publish_collision(self, collision: Collision) -> None:
+        self._write(collision)
+        # The journal is buffered between ticks for throughput (one flush per tick instead
+        # of one per write); a collision is rare and worth a flush of its own.
+        self.journal.flush()
+
+    def publish_finding(self, finding: Finding) -> None:
+        if finding.kind != FINDING_VERIFICATION:
+            self._write(finding)
+            return
+        result = finding.get("result")
+        if result in ("corrupt", "unverifiable"):
+            self._write(finding)
+        if result == "corrupt":
+            self.journal.flush()
+
+    def flush(self) -> None:
+        self.journal.flush()
+
+    def close(self) -> None:
+        self.journal.close()
