@@ -1,8 +1,9 @@
 """Agent-side values: writers, writes, collisions and findings. Pure, immutable, stdlib only.
 
 The detector, the filesystem tracker and the size history produce these, the exporters
-(metrics, journal, log) and `ckptwatch report` consume them. Journal records are built here (to_record) and read back here (from_record) so
-the two can never drift apart. Field names follow ckptwatch/events.py.
+(metrics, journal, log) and `ckptwatch report` consume them. Journal records are built here
+(to_record) and read back here (from_record) so the two can never drift apart. Field names
+follow ckptwatch/events.py.
 """
 from __future__ import annotations
 

@@ -3,8 +3,9 @@
 The watcher's callbacks run on watchdog's threads and must be quick, and attribution (which
 process has the file open, read from /proc) costs milliseconds and may wait a moment for a
 fresh fd to appear. So: the watcher only queues FsEvents; one attribution thread turns them
-into start/end events, Findings (monitor.fs.tracker.attribute) and FileNotices, and hands
-them to the core loop as batches through `deliver`. The core loop owns the detector; nothing here touches it.
+into start/end events, Findings (monitor.fs.tracker.attribute) and FileNotices, and hands them
+to the core loop as batches through `deliver`. The core loop owns the detector; nothing here
+touches it.
 """
 from __future__ import annotations
 

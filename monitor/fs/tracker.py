@@ -1,12 +1,12 @@
 """From filesystem events to writes: which process wrote which checkpoint, when.
 
-WriteTracker (pure, no threads) turns monitor.fs.watch FsEvents plus procscan attributions
-(who holds the file open right after the event) into write intervals per (path, pid),
-emitted as hook-shaped "start"/"end" event dicts with "source": "fs", and into Findings:
-size_fluctuation (a file shrinking under two writers), torn_read (a reader while another
-process writes). Two processes writing one path at once is not a finding here: the detector
-builds that collision from the start/end intervals, whichever source saw them. attribute() and rescan() are the glue the agent's
-attribution thread runs per event and after lost events.
+WriteTracker (pure, no threads) turns monitor.fs.watch FsEvents plus procscan attributions (who
+holds the file open right after the event) into write intervals per (path, pid), emitted as
+hook-shaped "start"/"end" event dicts with "source": "fs", and into Findings: size_fluctuation
+(a file shrinking under two writers), torn_read (a reader while another process writes). Two
+processes writing one path at once is not a finding here: the detector builds that collision
+from the start/end intervals, whichever source saw them. attribute() and rescan() are the glue
+the agent's attribution thread runs per event and after lost events.
 """
 from __future__ import annotations
 
