@@ -52,9 +52,7 @@ def default_journal_path(environ=None, euid: int | None = None) -> str:
 
 def write_record(w: Write) -> dict:
     """The journal's "write" record: {"type": "write", **Write.to_record()}."""
-    rec = {"type": "write"}
-    rec.update(w.to_record())
-    return rec
+    return {"type": "write", **w.to_record()}
 
 
 def to_record(item) -> dict:
