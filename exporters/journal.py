@@ -24,7 +24,7 @@ from typing import Callable, Iterator
 # scalar) must not lose the line.
 _ENCODER = json.JSONEncoder(separators=(",", ":"), default=str)
 
-from monitor.detect.model import Collision, Write
+from monitor.detect.model import FINDING_VERIFICATION, Collision, Finding, Write
 
 SYSTEM_JOURNAL_PATH = "/var/lib/ckptwatch/journal.jsonl"
 DEFAULT_MAX_BYTES = 64 * 1024 * 1024
@@ -50,28 +50,16 @@ def default_journal_path(environ=None, euid: int | None = None) -> str:
 
 
 def write_record(w: Write) -> dict:
-    """{"type": "write", **w.to_record()}, built in one step: the journal writes one of these
-    per finished save, and the intermediate dicts were a fifth of the agent's cost per event
-    at full ingest rate. tests/test_journal.py keeps the two equal."""
-    wr = w.writer
-    end = w.end_mono
-    return {"type": "write", "node": wr.node, "pid": wr.pid, "rank": wr.rank,
-            "local_rank": wr.local_rank, "world_size": wr.world_size,
-            "local_world_size": wr.local_world_size, "node_rank": wr.node_rank, "job": wr.job,
-            "master": wr.master, "restart": wr.restart, "path": w.path, "seq": w.seq,
-            "start_wall": w.start_wall, "end_wall": w.end_wall,
-            "duration": None if end is None else max(0.0, end - w.start_mono),
-            "bytes": w.bytes, "outcome": w.outcome, "site": w.site, "func": w.func,
-            "source": w.source}
+    """The journal's "write" record: {"type": "write", **Write.to_record()}."""
+    return {"type": "write", **w.to_record()}
 
 
 def to_record(item) -> dict:
-    """The journal record of a Write, a Collision, or a dict that already has a "type"."""
-    if type(item) is Write:
-        return write_record(item)
+    """The journal record of a Write, a Collision, a Finding, or a dict that already has a
+    "type"."""
     if isinstance(item, Write):
-        return {"type": "write", **item.to_record()}
-    if isinstance(item, Collision):
+        return write_record(item)
+    if isinstance(item, (Collision, Finding)):
         return item.to_record()
     if isinstance(item, dict) and isinstance(item.get("type"), str):
         return dict(item)
@@ -257,3 +245,43 @@ def read_records(path: str, stats: ReadStats | None = None) -> Iterator[dict]:
                     continue
                 stats.records += 1
                 yield record
+
+
+class JournalExporter:
+    """The journal as an exporter (exporters.fanout.Exporter): one line per finished write,
+    collision and finding; a verification only when it found something (corrupt or
+    unverifiable: an "ok" line per save would double the journal). `on_error` is called for
+    every line lost (the agent counts them in a metric)."""
+
+    def __init__(self, journal: Journal, on_error: Callable[[], None] = lambda: None):
+        self.journal = journal
+        self._on_error = on_error
+
+    def _write(self, item) -> None:
+        if not self.journal.write(item):     # never raises; a lost line is counted
+            self._on_error()
+
+    def publish_write(self, write: Write) -> None:
+        self._write(write)
+
+    def publish_collision(self, collision: Collision) -> None:
+        self._write(collision)
+        # The journal is buffered between ticks for throughput (one flush per tick instead
+        # of one per write); a collision is rare and worth a flush of its own.
+        self.journal.flush()
+
+    def publish_finding(self, finding: Finding) -> None:
+        if finding.kind != FINDING_VERIFICATION:
+            self._write(finding)
+            return
+        result = finding.get("result")
+        if result in ("corrupt", "unverifiable"):
+            self._write(finding)
+        if result == "corrupt":
+            self.journal.flush()
+
+    def flush(self) -> None:
+        self.journal.flush()
+
+    def close(self) -> None:
+        self.journal.close()

@@ -1,13 +1,20 @@
-"""The one-line WARNING message the agent logs for each collision.
+"""The one-line WARNING messages the agent logs for each collision and finding.
 
 One line per collision, greppable, naming what a person needs to act: the path, who wrote it
-(rank@node and pid, in start order), how long the writes overlapped and the call sites.
-Values come from training processes, so control characters are escaped: a path with a newline
-must not forge a second log line.
+(rank@node and pid, in start order), how long the writes overlapped and the call sites; one
+line per size fluctuation, torn read and corrupt checkpoint. Values come from training
+processes and file names, so control characters are escaped: a path with a newline must not
+forge a second log line. `LogExporter` logs them (exporters.fanout.Exporter).
 """
 from __future__ import annotations
 
-from monitor.detect.model import KIND_CONCURRENT, Collision, Writer
+import logging
+
+from monitor.detect.model import (FINDING_SIZE_FLUCTUATION, FINDING_TORN_READ,
+                                  FINDING_VERIFICATION, KIND_CONCURRENT, Collision, Finding,
+                                  Write, Writer)
+
+log = logging.getLogger("ckptwatch.agent")
 
 # A 512-rank job all saving to one path should not produce a 30 kB log line.
 MAX_WRITERS_LISTED = 16
@@ -69,3 +76,59 @@ def collision_message(c: Collision) -> str:
     if c.id:
         parts.append(f"id {clean(c.id)}")
     return "; ".join(parts)
+
+
+def _finding_writers(finding: Finding) -> str:
+    """rank0(11), pid(12): the writers a finding names, as the agent has always logged them."""
+    return ", ".join(f"{'rank%s' % w['rank'] if w.get('rank') is not None else 'pid'}"
+                     f"({w.get('pid')})" for w in finding.writers)
+
+
+def finding_message(f: Finding) -> str | None:
+    """One line for a WARNING log, or None for a finding not worth one (a verification that
+    found nothing wrong: it is counted only)."""
+    path = clean(f.path)
+    if f.kind == FINDING_SIZE_FLUCTUATION:
+        who = clean(_finding_writers(f))
+        if f.get("rule"):
+            return (f"size fluctuation on {path}: {clean(f.get('rule'))} "
+                    f"({f.get('size_before')} then {f.get('size_after')} bytes) by {who}")
+        return (f"size fluctuation on {path}: shrank from {f.get('size_before')} to "
+                f"{f.get('size_after')} bytes while written by {who}")
+    if f.kind == FINDING_TORN_READ:
+        reader = f.get("reader") or {}
+        return (f"torn read of {path}: pid {reader.get('pid', '?')} opened it for reading "
+                f"while {clean(_finding_writers(f))} wrote it")
+    if f.kind == FINDING_VERIFICATION:
+        if f.get("result") != "corrupt":
+            return None
+        by = f" (written by collision {clean(f.get('collision_id'))})" \
+            if f.get("collision_id") else ""
+        return (f"corrupt checkpoint {path}: {clean(f.get('reason'))} "
+                f"[{clean(f.get('cause'))}]{by}")
+    return f"{clean(f.kind)} on {path}"
+
+
+class LogExporter:
+    """Collisions and findings as WARNING lines (exporters.fanout.Exporter); writes are not
+    logged, one line per save would drown the rest."""
+
+    def publish_write(self, write: Write) -> None:
+        pass
+
+    def publish_collision(self, collision: Collision) -> None:
+        try:
+            log.warning("%s", collision_message(collision))
+        except Exception:
+            log.exception("cannot format collision on %r", collision.path)
+
+    def publish_finding(self, finding: Finding) -> None:
+        message = finding_message(finding)
+        if message is not None:
+            log.warning("%s", message)
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass

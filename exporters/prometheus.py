@@ -34,7 +34,8 @@ from prometheus_client.exposition import choose_encoder
 
 from ckptwatch.events import REJECT_REASONS
 from monitor.verify.integrity import CAUSES as CORRUPT_CAUSES
-from monitor.detect.model import SOURCE_FS, SOURCE_HOOK, Collision, Write
+from monitor.detect.model import (FINDING_VERIFICATION, SOURCE_FS, SOURCE_HOOK, Collision,
+                                  Finding, Write)
 from monitor.verify.worker import RESULTS as VERIFY_RESULTS
 from ckptwatch.version import __version__
 
@@ -589,3 +590,29 @@ class MetricsServer:
         server.shutdown()
         server.server_close()
         thread.join()
+
+
+class MetricsExporter:
+    """The metrics as an exporter (exporters.fanout.Exporter): each value updates
+    MetricsState; scrapes read it (CkptwatchCollector)."""
+
+    def __init__(self, state: MetricsState):
+        self.state = state
+
+    def publish_write(self, write: Write) -> None:
+        self.state.write_finished(write)
+
+    def publish_collision(self, collision: Collision) -> None:
+        self.state.collision(collision)
+
+    def publish_finding(self, finding: Finding) -> None:
+        if finding.kind == FINDING_VERIFICATION:
+            self.state.verification(finding.get("result"), finding.get("cause") or "")
+        else:
+            self.state.finding(finding.kind, finding.job)
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass

@@ -1,8 +1,11 @@
-"""The agent's core loop: ingest -> detector -> exporters.
+"""The agent's core loop: sources -> detector -> exporters.
 
-Threads: the ingest server thread decodes events and puts them on a queue; the HTTP server
-serves scrapes; this (main) thread owns the detector, so the detector needs no locks. Every
-Write and Collision the detector returns goes to every exporter: metrics, journal, log line.
+`Agent.build(config)` constructs everything; `start()` starts every source (the ingest
+socket, the filesystem source, the verifier) and the metrics server; `serve(stop)` is the
+loop; `stop()` finalises and shuts down. Threads: the ingest server thread decodes events and
+puts them on a queue; the filesystem source's thread delivers fs events; the HTTP server
+serves scrapes; the loop's thread owns the detector, so the detector needs no locks. Every
+Write, Collision and Finding goes to every exporter (exporters.fanout): metrics, journal, log.
 """
 from __future__ import annotations
 
@@ -16,18 +19,19 @@ import time
 
 import psutil
 
-from exporters.journal import Journal, JournalError
-from exporters.logline import collision_message
-from exporters.prometheus import MetricsServer, MetricsState, build_registry
+from exporters.fanout import Fanout
+from exporters.journal import Journal, JournalError, JournalExporter
+from exporters.logline import LogExporter
+from exporters.prometheus import MetricsExporter, MetricsServer, MetricsState, build_registry
 from monitor.verify import crc
 from monitor import logformat
 from monitor.config import Config
 from monitor.detect.detector import Detector
 from monitor.detect.merge import SourceMerger
-from monitor.fs.source import FILE_CHANGED, FILE_CLOSED, FsSource
-from monitor.ingest import IngestError, IngestServer
-from monitor.detect.model import Collision, Write
+from monitor.detect.model import Collision, Finding, Write
 from monitor.detect.sizes import SizeHistory
+from monitor.fs.source import FILE_CHANGED, FILE_CLOSED, FileNotice, FsSource
+from monitor.ingest import IngestError, IngestServer
 from monitor.verify.worker import Verification, Verifier, VerifySchedule
 
 log = logging.getLogger("ckptwatch.agent")
@@ -36,8 +40,7 @@ TICK_SECONDS = 0.2          # detector.tick() cadence: settles collisions, expir
 BATCH = 4096                # events taken from the queue per turn
 MAX_BACKLOG = 20_000        # events waiting before ingest stops reading (~40 MB, ~0.5 s of flood)
 STALL_SECONDS = 30.0        # /healthz fails when the loop has not turned for this long
-FS_TURN_SECONDS = 0.05      # loop wait with a filesystem source (see _loop)
-FINDINGS = ("size_fluctuation", "torn_read")
+FS_TURN_SECONDS = 0.05      # loop wait with a filesystem source (see Agent.serve)
 
 
 def pid_alive(node: str, pid: int) -> bool:
@@ -93,71 +96,6 @@ class Checks:
         for path, job, collision_id in self.schedule.due(self._clock()):
             self.verifier.submit(path, job, collision_id)
         return self.verifier.drain()
-
-
-class Exporters:
-    """Hands each detector output to every exporter; one failing exporter never stops another."""
-
-    def __init__(self, state: MetricsState, journal: Journal, checks: Checks | None = None,
-                 sizes: SizeHistory | None = None):
-        self.state, self.journal, self.checks, self.sizes = state, journal, checks, sizes
-
-    def publish(self, items) -> None:
-        for item in items:
-            if isinstance(item, Collision):
-                self.state.collision(item)
-                if self.checks is not None:
-                    self.checks.collided(item)
-                try:
-                    log.warning("%s", collision_message(item))
-                except Exception:
-                    log.exception("cannot format collision on %r", item.path)
-            elif isinstance(item, Write):
-                self.state.write_finished(item)
-                if self.checks is not None:
-                    self.checks.write_finished(item)
-                if self.sizes is not None:
-                    finding = self.sizes.finished(item)
-                    if finding is not None:
-                        self.publish_finding(finding)
-            if not self.journal.write(item):     # never raises; a lost line is counted
-                self.state.journal_error()
-            if isinstance(item, Collision):
-                # The journal is buffered between ticks for throughput (one flush per tick
-                # instead of one per write); a collision is rare and worth a flush of its own.
-                self.journal.flush()
-
-    def publish_finding(self, finding: dict) -> None:
-        """A size fluctuation or torn read seen by the filesystem source."""
-        self.state.finding(finding["type"], finding.get("job") or "")
-        if not self.journal.write(finding):
-            self.state.journal_error()
-        who = ", ".join(f"{'rank%s' % w['rank'] if w.get('rank') is not None else 'pid'}"
-                        f"({w['pid']})" for w in finding.get("writers", []))
-        if finding["type"] == "size_fluctuation" and finding.get("rule"):
-            log.warning("size fluctuation on %s: %s (%s then %s bytes) by %s", finding["path"],
-                        finding["rule"], finding.get("size_before"), finding.get("size_after"),
-                        who)
-        elif finding["type"] == "size_fluctuation":
-            log.warning("size fluctuation on %s: shrank from %s to %s bytes while written by "
-                        "%s", finding["path"], finding.get("size_before"),
-                        finding.get("size_after"), who)
-        else:
-            reader = finding.get("reader") or {}
-            log.warning("torn read of %s: pid %s opened it for reading while %s wrote it",
-                        finding["path"], reader.get("pid", "?"), who)
-
-    def publish_verifications(self, verifications: list[Verification]) -> None:
-        for v in verifications:
-            self.state.verification(v.result, v.cause)
-            if v.result in ("corrupt", "unverifiable"):
-                # ok and gone are counted only: one journal line per save would double it.
-                if not self.journal.write(v.to_record()):
-                    self.state.journal_error()
-            if v.result == "corrupt":
-                by = f" (written by collision {v.collision_id})" if v.collision_id else ""
-                log.warning("corrupt checkpoint %s: %s [%s]%s", v.path, v.reason, v.cause, by)
-                self.journal.flush()
 
 
 def health_check(ingest: IngestServer, heartbeat: list[float], fs: FsSource | None = None):
@@ -216,26 +154,166 @@ def _install_signal_handlers(stop: threading.Event) -> dict:
     return previous
 
 
-class Pipeline:
-    """Everything the loop's thread owns: detector, fs/hook merging, checks, exporters."""
+class StartError(Exception):
+    """The agent cannot start (socket or port in use, journal or watch path unusable)."""
 
-    def __init__(self, detector: Detector, outputs: "Exporters", state: MetricsState,
-                 merger: SourceMerger | None = None, fs: FsSource | None = None):
-        self.detector, self.outputs, self.state = detector, outputs, state
-        self.merger, self.fs = merger, fs
-        self.fs_inbox: queue.SimpleQueue = queue.SimpleQueue()
+
+class Agent:
+    """Everything the loop owns: sources, detector, fs/hook merging, checks, exporters.
+
+    build() constructs it from a Config; start(), serve(stop), stop() run it (see run()).
+    """
+
+    def __init__(self, config: Config, state: MetricsState, inbox: "Inbox",
+                 ingest: IngestServer, detector: Detector, checks: Checks, sizes: SizeHistory,
+                 exporters: Fanout, server: MetricsServer, merger: SourceMerger | None = None,
+                 fs: FsSource | None = None, heartbeat: list[float] | None = None,
+                 fs_inbox: queue.SimpleQueue | None = None):
+        self.config, self.state, self.inbox, self.ingest = config, state, inbox, ingest
+        self.detector, self.checks, self.sizes = detector, checks, sizes
+        self.exporters, self.server, self.merger, self.fs = exporters, server, merger, fs
+        self.heartbeat = heartbeat if heartbeat is not None else [time.monotonic()]
+        self.fs_inbox = fs_inbox if fs_inbox is not None else queue.SimpleQueue()
+        self._stopping = False
+
+    @classmethod
+    def build(cls, config: Config) -> "Agent":
+        """Construct every part; nothing listens or runs yet. Raises StartError when the
+        journal cannot be opened."""
+        state = MetricsState()
+        inbox = Inbox()
+        fs_inbox: queue.SimpleQueue = queue.SimpleQueue()
+        heartbeat = [time.monotonic()]
+        ingest = IngestServer(config.socket, None, state.event_rejected, on_events=inbox.put,
+                              backlog=inbox.backlog, max_backlog=MAX_BACKLOG,
+                              socket_mode=config.socket_mode, socket_group=config.socket_group)
+        detector = Detector(window=config.collision_window, settle=config.collision_settle,
+                            stale_after=config.collision_stale_after,
+                            max_paths=config.collision_max_paths, pid_alive=pid_alive)
+        sizes = SizeHistory(config.collision_window, config.size_tolerance,
+                            config.collision_max_paths)
+        merger = fs = None
+        if config.watch_paths:
+            # The merger waits for the hook's report of a save before taking the watcher's as
+            # a write of its own; it must decide well within `settle`, before groups are final.
+            merger = SourceMerger(delay=min(0.25, config.collision_settle / 2),
+                                  window=config.collision_window,
+                                  max_paths=config.collision_max_paths)
+            fs = FsSource(config.watch_paths, config.watch_patterns, config.watch_mode,
+                          config.watch_poll_interval, config.node, fs_inbox.put,
+                          attribution=config.watch_attribution)
+        server = MetricsServer(config.listen_address, build_registry(state),
+                               health=health_check(ingest, heartbeat, fs))
+        try:
+            journal = Journal(config.journal_path, config.journal_max_bytes,
+                              config.journal_backups, buffered=True)
+        except JournalError as exc:
+            raise StartError(exc.strerror) from exc     # names the path and the reason
+        exporters = Fanout([MetricsExporter(state),
+                            JournalExporter(journal, on_error=state.journal_error),
+                            LogExporter()])
+        return cls(config, state, inbox, ingest, detector, Checks(config), sizes, exporters,
+                   server, merger, fs, heartbeat, fs_inbox)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> None:
+        """Start every source and the metrics server; StartError if one cannot start (the
+        caller then calls stop(), which stops what did start)."""
+        config = self.config
+        try:
+            self.ingest.start()
+        except IngestError as exc:
+            raise StartError(str(exc)) from exc
+        try:
+            self.server.start()
+        except OSError as exc:
+            raise StartError(f"cannot serve metrics on {config.listen_address}: "
+                             f"{exc.strerror or exc}") from exc
+        if self.fs is not None:
+            try:
+                self.fs.start()
+            except (OSError, ValueError) as exc:
+                raise StartError(f"cannot watch {', '.join(config.watch_paths)}: {exc}") \
+                    from exc
+        log.info("ckptwatch agent started: socket=%s metrics=%s (port %s) journal=%s "
+                 "watch=%s attribution=%s verify=%s pid=%d", config.socket,
+                 config.listen_address, self.server.port, config.journal_path,
+                 ",".join(config.watch_paths) or "none",
+                 self.fs.attribution if self.fs else "none",
+                 f"on (crc32: {crc.BACKEND})" if config.verify_enabled else "off", os.getpid())
+        self.checks.start()
+
+    def serve(self, stop: threading.Event) -> None:
+        """The loop, until `stop` is set: take events in, hand them on, tick."""
+        next_tick = time.monotonic()
+        # With a filesystem source the loop turns more often: held fs events are due after
+        # the merger's short delay, not after a whole tick.
+        wait = TICK_SECONDS if self.fs is None else FS_TURN_SECONDS
+        while not stop.is_set():
+            batch = self.inbox.take(wait)
+            if batch:
+                self.hook_batch(batch)
+            self.fs_turn()
+            now = time.monotonic()
+            self.heartbeat[0] = now
+            if now >= next_tick:
+                next_tick = now + TICK_SECONDS
+                self.tick()
+
+    def stop(self) -> None:
+        """Stop the sources, then finalise: what is still queued and every pending
+        collision reach the exporters, the journal is flushed and closed, the socket
+        removed. Safe after a failed or partial start()."""
+        try:
+            try:
+                self.ingest.stop()           # removes the socket
+            finally:
+                try:
+                    if self.fs is not None:
+                        self.fs.stop()
+                finally:
+                    self.checks.stop()
+        finally:
+            try:
+                # The verifier has stopped: nothing more is scheduled or size-compared.
+                self._stopping = True
+                self.drain()
+                self.publish(self.detector.flush())
+            finally:
+                try:
+                    self.exporters.close()
+                finally:
+                    self.server.stop()
+
+    # ------------------------------------------------------------------ the loop's work
+
+    def publish(self, items) -> None:
+        """Detector outputs to the verification schedule, the size history, the exporters."""
+        for item in items:
+            if isinstance(item, Write):
+                self.exporters.publish_write(item)
+                if not self._stopping:
+                    self.checks.write_finished(item)
+                    finding = self.sizes.finished(item)
+                    if finding is not None:
+                        self.exporters.publish_finding(finding)
+            elif isinstance(item, Collision):
+                if not self._stopping:
+                    self.checks.collided(item)
+                self.exporters.publish_collision(item)
 
     def hook_batch(self, batch: list[dict]) -> None:
         self.state.event_received(len(batch))
-        checks, merger, fs = self.outputs.checks, self.merger, self.fs
+        merger, fs = self.merger, self.fs
         for event in batch:
             kind = event["type"]
             if kind == "dropped":
                 self.state.client_dropped(event["count"])
                 continue
             if kind == "start":
-                if checks is not None:
-                    checks.write_started(event["path"])
+                if not self._stopping:
+                    self.checks.write_started(event["path"])
                 if fs is not None:
                     fs.add_path(event["path"])
             if merger is not None:
@@ -250,55 +328,62 @@ class Pipeline:
             log.exception("detector failed on a %s event for %r", event["type"],
                           event.get("path"))
             return
-        self.outputs.publish(items)
+        self.publish(items)
 
     def fs_turn(self) -> None:
         """Take what the filesystem source delivered; pass on what the merger let through."""
         if self.merger is None:
             return
+        checks = None if self._stopping else self.checks
         while True:
             try:
                 batch = self.fs_inbox.get_nowait()
             except queue.Empty:
                 break
-            for event in batch:
-                kind = event["type"]
-                if kind in ("start", "end"):
-                    if kind == "start" and self.outputs.checks is not None:
-                        self.outputs.checks.write_started(event["path"])
-                    self.merger.fs_event(event)
-                elif kind in FINDINGS:
-                    self.outputs.publish_finding(event)
-                elif kind == FILE_CLOSED and self.outputs.checks is not None:
-                    self.outputs.checks.file_closed(event["path"])
-                elif kind == FILE_CHANGED and self.outputs.checks is not None:
-                    self.outputs.checks.write_started(event["path"])
-                # fs_collision is not counted: the detector builds the collision from the
-                # fs writes' intervals, once, whichever sources saw it.
+            for item in batch:
+                if isinstance(item, Finding):
+                    self.exporters.publish_finding(item)
+                elif isinstance(item, FileNotice):
+                    if checks is None:
+                        continue
+                    if item.kind == FILE_CLOSED:
+                        checks.file_closed(item.path)
+                    elif item.kind == FILE_CHANGED:
+                        checks.write_started(item.path)
+                else:                                   # a start or end event
+                    if item["type"] == "start" and checks is not None:
+                        checks.write_started(item["path"])
+                    self.merger.fs_event(item)
         forward, seen = self.merger.due()
         for event in forward:
             self.observe(event)
         for path, key in seen:
             self.detector.mark_source(path, key, "fs")
 
-    def tick(self, ingest: IngestServer) -> None:
-        self.outputs.publish(self.detector.tick())
-        if self.outputs.checks is not None:
-            self.outputs.publish_verifications(self.outputs.checks.tick())
+    def tick(self) -> None:
+        self.publish(self.detector.tick())
+        for v in self.checks.tick():
+            self.exporters.publish_finding(verification_finding(v))
         self.state.set_active_writes(self.detector.active_writes())
         self.state.set_detector_stats(self.detector.tracked_paths,
                                       self.detector.evicted_paths_total)
-        self.state.set_ingest_connections(ingest.connections)
+        self.state.set_ingest_connections(self.ingest.connections)
         if self.fs is not None:
             self.state.set_fs_stats(self.fs.stats())
-        self.outputs.journal.flush()
+        self.exporters.flush()
 
-    def drain(self, inbox: "Inbox") -> None:
-        while batch := inbox.take(0):
+    def drain(self) -> None:
+        """Hand on every event still queued (at shutdown)."""
+        while batch := self.inbox.take(0):
             self.hook_batch(batch)
         if self.merger is not None:
             self.merger.delay = 0          # shutting down: decide on every held fs event now
             self.fs_turn()
+
+
+def verification_finding(v: Verification) -> Finding:
+    """A verifier's verdict as a Finding (its journal record is the same either way)."""
+    return Finding.from_record(v.to_record())
 
 
 def run(config: Config, stop: threading.Event | None = None) -> int:
@@ -306,100 +391,27 @@ def run(config: Config, stop: threading.Event | None = None) -> int:
     0 after a clean stop, 1 when the agent cannot start (socket or port in use, ...)."""
     logformat.configure(config.log_level, config.log_format)
     stop = stop or threading.Event()
-    state = MetricsState()
-    inbox = Inbox()
-    ingest = IngestServer(config.socket, None, state.event_rejected, on_events=inbox.put,
-                          backlog=inbox.backlog, max_backlog=MAX_BACKLOG,
-                          socket_mode=config.socket_mode, socket_group=config.socket_group)
-    heartbeat = [time.monotonic()]
-    detector = Detector(window=config.collision_window, settle=config.collision_settle,
-                        stale_after=config.collision_stale_after,
-                        max_paths=config.collision_max_paths, pid_alive=pid_alive)
-    checks = Checks(config)
-    fs = merger = None
-    pipeline = Pipeline(detector, None, state)
-    if config.watch_paths:
-        # The merger waits for the hook's report of a save before taking the watcher's as a
-        # write of its own; it must decide well within `settle`, before groups are final.
-        merger = SourceMerger(delay=min(0.25, config.collision_settle / 2),
-                              window=config.collision_window,
-                              max_paths=config.collision_max_paths)
-        fs = FsSource(config.watch_paths, config.watch_patterns, config.watch_mode,
-                      config.watch_poll_interval, config.node, pipeline.fs_inbox.put,
-                      attribution=config.watch_attribution)
-        pipeline.merger, pipeline.fs = merger, fs
-    server = MetricsServer(config.listen_address, build_registry(state),
-                           health=health_check(ingest, heartbeat, fs))
+    try:
+        agent = Agent.build(config)
+    except StartError as exc:
+        log.error("%s", exc)
+        return 1
     previous = _install_signal_handlers(stop)
-    journal = None
     try:
         try:
-            ingest.start()
-        except IngestError as exc:
+            agent.start()
+        except StartError as exc:
             log.error("%s", exc)
             return 1
-        try:
-            journal = Journal(config.journal_path, config.journal_max_bytes,
-                              config.journal_backups, buffered=True)
-        except JournalError as exc:
-            log.error("%s", exc.strerror)       # names the path and the reason
-            return 1
-        pipeline.outputs = Exporters(state, journal, checks,
-                                     SizeHistory(config.collision_window,
-                                                 config.size_tolerance,
-                                                 config.collision_max_paths))
-        try:
-            server.start()
-        except OSError as exc:
-            log.error("cannot serve metrics on %s: %s", config.listen_address,
-                      exc.strerror or exc)
-            return 1
-        if fs is not None:
-            try:
-                fs.start()
-            except (OSError, ValueError) as exc:
-                log.error("cannot watch %s: %s", ", ".join(config.watch_paths), exc)
-                return 1
-        log.info("ckptwatch agent started: socket=%s metrics=%s (port %s) journal=%s "
-                 "watch=%s attribution=%s verify=%s pid=%d", config.socket,
-                 config.listen_address, server.port, config.journal_path,
-                 ",".join(config.watch_paths) or "none", fs.attribution if fs else "none",
-                 f"on (crc32: {crc.BACKEND})" if config.verify_enabled else "off", os.getpid())
-        checks.start()
-        _loop(stop, inbox, pipeline, ingest, heartbeat)
+        agent.serve(stop)
         log.info("stopping")
         return 0
     finally:
-        ingest.stop()
-        if fs is not None:
-            fs.stop()
-        checks.stop()
-        if journal is not None:
-            pipeline.outputs = Exporters(state, journal)
-            pipeline.drain(inbox)
-            pipeline.outputs.publish(detector.flush())
-            journal.flush()
-            journal.close()
-        server.stop()
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-
-
-def _loop(stop, inbox: Inbox, pipeline: Pipeline, ingest: IngestServer, heartbeat) -> None:
-    next_tick = time.monotonic()
-    # With a filesystem source the loop turns more often: held fs events are due after the
-    # merger's short delay, not after a whole tick.
-    wait = TICK_SECONDS if pipeline.fs is None else FS_TURN_SECONDS
-    while not stop.is_set():
-        batch = inbox.take(wait)
-        if batch:
-            pipeline.hook_batch(batch)
-        pipeline.fs_turn()
-        now = time.monotonic()
-        heartbeat[0] = now
-        if now >= next_tick:
-            next_tick = now + TICK_SECONDS
-            pipeline.tick(ingest)
+        try:
+            agent.stop()
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -310,3 +310,44 @@ def test_different_processes_leaving_different_sizes_is_a_size_fluctuation(workd
         assert (f["path"], f["size_before"], f["size_after"]) == (path, 1_000_000, 700_000)
         assert [w["rank"] for w in f["writers"]] == [0, 1]
     assert "size fluctuation on /ckpt/sizes/last.pt" in agent.log
+
+
+def _event(kind, pid, seq, t, path):
+    ev = {"v": 1, "type": kind, "node": "n1", "pid": pid, "seq": seq, "path": path,
+          "wall": 1.7e9 + t, "mono": t, "rank": pid % 10, "job": "inproc"}
+    if kind == "end":
+        ev.update(start_wall=1.7e9, start_mono=0.0, outcome="ok", bytes=10)
+    return ev
+
+
+def test_agent_stop_finalises_pending_collisions_and_removes_its_socket(workdir, sockdir,
+                                                                          no_thread_leak):
+    """Agent.build/start/stop in-process: a collision still settling when the agent stops is
+    journaled by stop(), which also removes the socket, even though serve() never ran."""
+    import time
+
+    from exporters.journal import read_records
+    from monitor import config
+    from monitor.daemon import Agent
+
+    sock = os.path.join(sockdir, "inproc.sock")
+    journal = os.path.join(workdir, "journal.jsonl")
+    agent = Agent.build(config.load(["--ingest.socket", sock, "--journal.path", journal,
+                                     "--web.listen-address", "127.0.0.1:0",
+                                     "--collision.settle", "30"]))
+    agent.start()
+    try:
+        assert os.path.exists(sock)
+        now = time.monotonic()
+        agent.hook_batch([_event("start", 11, 1, now - 2, "/c/a.pt"),
+                          _event("start", 12, 1, now - 1.5, "/c/a.pt"),
+                          _event("end", 11, 1, now - 1, "/c/a.pt"),
+                          _event("end", 12, 1, now - 0.5, "/c/a.pt")])
+        agent.tick()
+        assert [r["type"] for r in read_records(journal)] == ["write", "write"]  # settling
+    finally:
+        agent.stop()
+    assert not os.path.exists(sock)
+    (collision,) = [r for r in read_records(journal) if r["type"] == "collision"]
+    assert collision["kind"] == "concurrent" and \
+        [w["pid"] for w in collision["writers"]] == [11, 12]

@@ -17,7 +17,8 @@ from monitor.fs.fanotify import (FAN_CLOSE_NOWRITE, FAN_CLOSE_WRITE, FAN_MODIFY,
                               FanEvent, FanotifyWatcher)
 from monitor.fs.tracker import ExactAttribution, WriteTracker
 from monitor.fs.watch import FsEvent
-from monitor.fs.procscan import ProcScanner, ProcWriter
+from monitor.detect.model import Writer
+from monitor.fs.procscan import Holder, ProcScanner
 
 
 WHY_NOT = fanotify.available("/tmp")[1]       # '' when this process can mark mounts
@@ -167,7 +168,7 @@ def _fe(mask, pid, t, path="/c/a.pt"):
 
 
 def _describe(pid, mode):
-    return ProcWriter(pid=pid, mode=mode, rank=pid % 10, job="j", node="n1")
+    return Holder(Writer("n1", pid, rank=pid % 10, job="j"), mode)
 
 
 def _exact():
@@ -207,15 +208,15 @@ def test_a_whole_write_merged_into_one_event_spans_from_the_previous_read():
     assert spans[(2, "start")] < spans[(1, "end")]
 
 
-def test_live_writers_are_a_collision_when_the_second_joins():
+def test_a_second_live_writer_starts_while_the_first_writes():
+    """The two intervals overlap: the detector makes that a concurrent collision."""
     tracker, exact = _exact()
     exact.observe(_fe(FAN_OPEN, 1, 0))
     exact.observe(_fe(FAN_MODIFY, 1, 0.1))
     out = exact.observe(_fe(FAN_MODIFY, 2, 0.2))          # no open seen: starts now
-    assert [e["type"] for e in out] == ["start", "fs_collision"]
+    assert [(e["type"], e["pid"], e["rank"]) for e in out] == [("start", 2, 2)]
     assert out[0]["mono"] == 1000.2
-    assert [w["pid"] for w in out[1]["writers"]] == [1, 2]
-    assert [w["rank"] for w in out[1]["writers"]] == [1, 2]
+    assert tracker.writing("/c/a.pt") == [1, 2]
     # More writes of a known writer change nothing; its close ends it.
     assert exact.observe(_fe(FAN_MODIFY, 1, 0.3)) == []
     (end,) = exact.observe(_fe(FAN_CLOSE_WRITE, 1, 0.4))
@@ -241,10 +242,10 @@ def test_exact_mode_scans_only_decide_readers():
     assert tracker.needs_attribution(FsEvent("opened", "/c/a.pt", 0, 1000.1, 0.0))
     assert not tracker.needs_attribution(FsEvent("modified", "/c/a.pt", 0, 1000.1, 0.0))
     assert not tracker.needs_attribution(FsEvent("closed_write", "/c/a.pt", 0, 1000.1, 0.0))
-    reader = ProcWriter(pid=9, mode="r", job="eval", node="n1")
-    stray = ProcWriter(pid=7, mode="w", node="n1")        # a writer only the scan shows
+    reader = Holder(Writer("n1", 9, job="eval"), "r")
+    stray = Holder(Writer("n1", 7), "w")                  # a writer only the scan shows
     out = tracker.observe(FsEvent("opened", "/c/a.pt", 10, 1000.2, 0.0), [reader, stray])
-    assert [e["type"] for e in out] == ["torn_read"]
+    assert [f.kind for f in out] == ["torn_read"]
     assert tracker.writing("/c/a.pt") == [1]
     # An unattributed inotify close does not end the only writer on a guess.
     assert tracker.observe(FsEvent("closed_write", "/c/a.pt", 10, 1000.3, 0.0)) == []
@@ -260,21 +261,21 @@ def test_describe_reads_a_live_process_and_survives_a_gone_one():
     env = {**os.environ, "RANK": "3", "LOCAL_RANK": "1", "TORCHELASTIC_RUN_ID": "jobx"}
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"], env=env)
     try:
-        me = wait_for(lambda: (lambda p: p if p.rank == 3 else None)(
+        me = wait_for(lambda: (lambda p: p if p.writer.rank == 3 else None)(
             scanner.describe(child.pid, "w")), timeout=5, message="environment readable")
-        assert (me.pid, me.mode, me.rank, me.local_rank, me.job) == \
+        assert (me.pid, me.mode, me.writer.rank, me.writer.local_rank, me.writer.job) == \
                (child.pid, "w", 3, 1, "jobx")
     finally:
         child.kill()
         child.wait()
     # Gone, but its identity was read while it lived: kept.
     gone = scanner.describe(child.pid, "w")
-    assert (gone.pid, gone.rank, gone.job) == (child.pid, 3, "jobx")
+    assert (gone.pid, gone.writer.rank, gone.writer.job) == (child.pid, 3, "jobx")
     # Never seen alive: only the pid.
     never = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                            capture_output=True, text=True, env=env, check=True)
     unknown = scanner.describe(int(never.stdout), "w")
-    assert (unknown.rank, unknown.node) == (None, "n9")
+    assert (unknown.writer.rank, unknown.writer.node) == (None, "n9")
 
 
 def _moved(src, dest, t, size=1000):

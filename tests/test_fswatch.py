@@ -17,7 +17,8 @@ from monitor.fs import tracker as fstracker
 from monitor.fs import watch as fswatch
 from monitor.fs.tracker import WriteTracker
 from monitor.fs.watch import FsEvent, Watcher
-from monitor.fs.procscan import ProcScanner, ProcWriter
+from monitor.detect.model import Finding, Writer
+from monitor.fs.procscan import Holder, ProcScanner
 
 MODES = ["inotify", "polling"]
 POLL = 0.1
@@ -288,7 +289,7 @@ def _ev(kind, path, size=None, t=0.0, dest=None):
 
 
 def _proc(pid, mode="w", rank=None, job="j"):
-    return ProcWriter(pid=pid, mode=mode, rank=rank, job=job, node="n1")
+    return Holder(Writer("n1", pid, rank=rank, job=job), mode)
 
 
 def test_tracker_intervals_are_valid_hook_shaped_events():
@@ -307,17 +308,27 @@ def test_tracker_intervals_are_valid_hook_shaped_events():
     assert t.writing("/c/a.pt") == []
 
 
-def test_tracker_concurrent_writers_collision_and_fluctuation():
-    t = WriteTracker()
+def _kinds(out):
+    return [e.kind if isinstance(e, Finding) else e["type"] for e in out]
+
+
+def test_tracker_concurrent_writers_and_fluctuation():
+    t = WriteTracker(node="n1")
     t.observe(_ev("opened", "/c/a.pt", 0), [_proc(1, rank=0)])
     t.observe(_ev("modified", "/c/a.pt", 4000, 0.1))
     out = t.observe(_ev("opened", "/c/a.pt", 0, 0.2), [_proc(1, rank=0), _proc(2, rank=1)])
-    kinds = [e["type"] for e in out]
-    assert kinds == ["start", "fs_collision", "size_fluctuation"]
-    collision, fluct = out[1], out[2]
-    assert [(w["pid"], w["rank"]) for w in collision["writers"]] == [(1, 0), (2, 1)]
-    assert (fluct["size_before"], fluct["size_after"]) == (4000, 0)
-    assert collision["job"] == "j" and collision["source"] == "fs"
+    # The second writer's start overlaps the first's write: the detector's collision.
+    assert _kinds(out) == ["start", "size_fluctuation"]
+    assert (out[0]["pid"], out[0]["rank"]) == (2, 1)
+    fluct = out[1]
+    assert [(w["pid"], w["rank"]) for w in fluct.writers] == [(1, 0), (2, 1)]
+    assert (fluct.get("size_before"), fluct.get("size_after")) == (4000, 0)
+    assert (fluct.job, fluct.source, fluct.node) == ("j", "fs", "n1")
+    # Journaled as the dict it used to be.
+    rec = fluct.to_record()
+    assert sorted(rec) == sorted(["v", "type", "source", "node", "path", "wall", "mono", "job",
+                                  "writers", "size_before", "size_after"])
+    assert Finding.from_record(rec) == fluct
     # Unattributed close with two writers: nobody is ended on a guess.
     assert t.observe(_ev("closed_write", "/c/a.pt", 10, 0.3)) == []
     out = t.observe(_ev("closed_write", "/c/a.pt", 10, 0.4), [_proc(2, rank=1)])
@@ -329,7 +340,7 @@ def test_tracker_own_truncation_is_not_a_fluctuation():
     t.observe(_ev("modified", "/c/a.pt", 9000))                       # an earlier save
     out = t.observe(_ev("opened", "/c/a.pt", 0, 1), [_proc(5)])        # truncates it
     out += t.observe(_ev("modified", "/c/a.pt", 100, 1.1))
-    assert [e["type"] for e in out] == ["start"]
+    assert _kinds(out) == ["start"]
     assert t.counts["truncations"] == 1 and t.counts["size_fluctuation"] == 0
 
 
@@ -339,8 +350,9 @@ def test_tracker_torn_read_and_reader_alone():
     t.observe(_ev("opened", "/c/b.pt", 0), [_proc(1)])
     out = t.observe(_ev("opened", "/c/b.pt", 50, 0.1), [_proc(1), _proc(8, "r", job="eval")])
     (torn,) = out
-    assert torn["type"] == "torn_read" and torn["reader"]["pid"] == 8
-    assert [w["pid"] for w in torn["writers"]] == [1]
+    assert torn.kind == "torn_read" and torn.get("reader")["pid"] == 8
+    assert torn.get("reader")["mode"] == "r" and torn.get("reader")["job"] == "eval"
+    assert [w["pid"] for w in torn.writers] == [1]
     # The same pid reading its own file while writing it is not a torn read.
     t2 = WriteTracker()
     t2.observe(_ev("opened", "/c/c.pt", 0), [_proc(1)])
@@ -412,7 +424,7 @@ class Pipeline:
 
     def of_type(self, kind):
         with self.lock:
-            return [e for e in self.out if e["type"] == kind]
+            return [e for e in self.out if _kinds([e]) == [kind]]
 
 
 def _spawn(code, *args, **env):
@@ -446,7 +458,7 @@ def pipeline_watch(request, tmp_path, no_thread_leak):
     w.stop()
 
 
-def test_two_real_writers_of_one_path_are_an_fs_collision(tmp_path, pipeline_watch):
+def test_two_real_writers_of_one_path_overlap(tmp_path, pipeline_watch):
     pipe = pipeline_watch
     path = str(tmp_path / "last.pt")
     a = _spawn(WRITER, path, 1 << 20, RANK=0, LOCAL_RANK=0, TORCHELASTIC_RUN_ID="r1")
@@ -456,13 +468,15 @@ def test_two_real_writers_of_one_path_are_an_fs_collision(tmp_path, pipeline_wat
         wait_for(lambda: pipe.tracker.writing(path) == [a.pid], timeout=10)
         b = _spawn(WRITER, path, 100, RANK=1, LOCAL_RANK=1, TORCHELASTIC_RUN_ID="r1")
         _expect(b, "ready")
-        (collision,) = wait_for(lambda: pipe.of_type("fs_collision"), timeout=10)
-        assert [(w["pid"], w["rank"], w["local_rank"], w["job"]) for w in
-                collision["writers"]] == [(a.pid, 0, 0, "r1"), (b.pid, 1, 1, "r1")]
-        assert collision["path"] == path and collision["job"] == "r1"
+        wait_for(lambda: len(pipe.of_type("start")) == 2, timeout=10)
+        assert [(e["pid"], e["rank"], e["local_rank"], e["job"], e["path"]) for e in
+                pipe.of_type("start")] == [(a.pid, 0, 0, "r1", path), (b.pid, 1, 1, "r1", path)]
         # b opened with O_TRUNC under a's feet: the file shrank with two writers on it.
         (fluct,) = wait_for(lambda: pipe.of_type("size_fluctuation"), timeout=10)
-        assert fluct["size_before"] >= 1 << 20 and fluct["size_after"] < fluct["size_before"]
+        assert [(w["pid"], w["rank"]) for w in fluct.writers] == [(a.pid, 0), (b.pid, 1)]
+        assert fluct.path == path and fluct.job == "r1"
+        assert fluct.get("size_before") >= 1 << 20 and \
+            fluct.get("size_after") < fluct.get("size_before")
         for p in (a, b):
             p.stdin.write("close\n")
             p.stdin.flush()
@@ -497,7 +511,7 @@ def test_plain_torch_save_truncating_its_own_file_is_no_fluctuation(tmp_path, pi
         assert end["bytes"] == os.path.getsize(path)
         # The shrink was seen, and it was the saver's own truncation: not a fluctuation.
         assert pipe.tracker.counts["truncations"] >= 1
-        assert pipe.of_type("size_fluctuation") == [] and pipe.of_type("fs_collision") == []
+        assert pipe.of_type("size_fluctuation") == [] and len(pipe.of_type("start")) == 1
     finally:
         _reap(saver)
 
@@ -520,7 +534,7 @@ def test_attribute_looks_again_when_an_open_shows_nobody_new():
     scanner = _ScriptedScanner([_proc(1)], [_proc(1), _proc(2)])
     slept = []
     out = fstracker.attribute(_ev("opened", "/c/a.pt", 0, 1), t, scanner, sleep=slept.append)
-    assert [e["type"] for e in out] == ["start", "fs_collision"]
+    assert [(e["type"], e["pid"]) for e in out] == [("start", 2)]
     assert slept == [fstracker.OPEN_RETRY_DELAY] and scanner.calls[0] == 1001.0
     # A write reuses the scanner's rate-limited result; no retry.
     scanner = _ScriptedScanner([_proc(1), _proc(2)])

@@ -9,7 +9,8 @@ import psutil
 
 from helpers import subprocess_env, wait_for
 from monitor.fs import procscan
-from monitor.fs.procscan import ProcScanner, ProcWriter, mode_from_flags
+from monitor.detect.model import Writer
+from monitor.fs.procscan import ProcScanner, mode_from_flags
 
 # Opens argv[1] with mode argv[2], writes a little, says "ready", holds it until stdin closes.
 HOLDER = r"""
@@ -63,12 +64,11 @@ def test_writer_found_with_rank_and_job_from_its_environment(tmp_path):
         writers = scanner.writers_of(path)
         assert [w.pid for w in writers] == [h.pid]
         w = writers[0]
-        assert (w.mode, w.rank, w.local_rank, w.world_size, w.node_rank, w.job) == \
-               ("w", 3, 1, 8, 0, "job-42")
-        assert (w.master, w.restart, w.node) == ("10.0.0.1:29500", 2, "node-a")
+        assert w.mode == "w" and w.writer == Writer(
+            "node-a", h.pid, rank=3, local_rank=1, world_size=8, node_rank=0, job="job-42",
+            master="10.0.0.1:29500", restart=2)
         assert w.cmdline[0] == sys.executable and path in w.cmdline
         assert scanner.readers_of(path) == []
-        assert w.identity()["pid"] == h.pid
     stats = scanner.stats()
     assert stats["scans"] >= 1 and stats["total_seconds"] > 0 and stats["last_seconds"] > 0
     assert stats["errors"] == 0
@@ -79,7 +79,7 @@ def test_ckptwatch_job_and_node_from_environment_win(tmp_path):
     with Holder(path, CKPTWATCH_JOB="mine", CKPTWATCH_NODE="pod-7", SLURM_JOB_ID="99",
                 SLURM_PROCID=5) as h:
         (w,) = ProcScanner(node="agent-node").writers_of(path)
-    assert (w.pid, w.job, w.node, w.rank) == (h.pid, "mine", "pod-7", 5)
+    assert (w.pid, w.writer.job, w.writer.node, w.writer.rank) == (h.pid, "mine", "pod-7", 5)
 
 
 def test_modes_reader_appender_and_read_write(tmp_path):
@@ -103,7 +103,7 @@ def test_non_python_writer_found_by_full_scan_fallback(tmp_path):
         assert ProcScanner(full_scan_fallback=False).writers_of(path) == []
         scanner = ProcScanner()
         (w,) = scanner.writers_of(path)
-        assert (w.pid, w.mode, w.rank) == (h.pid, "w", 6)
+        assert (w.pid, w.mode, w.writer.rank) == (h.pid, "w", 6)
         assert scanner.stats()["full_scans"] == 1
 
 
@@ -115,7 +115,7 @@ def test_explicit_candidates_and_vanished_processes_tolerated(tmp_path):
         scanner = ProcScanner(full_scan_fallback=False)
         assert [w.pid for w in scanner.writers_of(path, candidates=[gone.pid, h.pid])] == \
                [h.pid]
-        assert scanner.writers_of(path, candidates=[psutil.Process(h.pid)])[0].rank == 1
+        assert scanner.writers_of(path, candidates=[psutil.Process(h.pid)])[0].writer.rank == 1
         assert scanner.writers_of(path, candidates=[os.getpid()]) == []
     assert scanner.stats()["errors"] == 0
 
@@ -144,11 +144,11 @@ def test_process_started_after_the_last_refresh_is_found(tmp_path):
     path = str(tmp_path / "model.pt")
     scanner = ProcScanner(refresh_interval=3600, min_refresh=0, full_scan_fallback=False)
     with Holder(path, RANK=0) as first:
-        assert [w.rank for w in scanner.writers_of(path)] == [0]
+        assert [w.writer.rank for w in scanner.writers_of(path)] == [0]
         assert scanner.stats()["refreshes"] == 1
         with Holder(path, "ab", RANK=1) as second:
             got = scanner.writers_of(path, changed_after=float("inf"))
-            assert {(w.pid, w.rank) for w in got} == {(first.pid, 0), (second.pid, 1)}
+            assert {(w.pid, w.writer.rank) for w in got} == {(first.pid, 0), (second.pid, 1)}
             stats = scanner.stats()
             assert stats["refreshes"] == 1 and stats["updates"] >= 1
 
@@ -168,7 +168,8 @@ def test_mode_from_flags():
     assert mode_from_flags(os.O_WRONLY | os.O_TRUNC | os.O_CREAT) == "w"
     assert mode_from_flags(os.O_WRONLY | os.O_APPEND) == "a"
     assert mode_from_flags(os.O_RDWR) == "r+"
-    assert ProcWriter(1, "r+").writing and not ProcWriter(1, "r").writing
+    assert procscan.Holder(Writer("n", 1), "r+").writing
+    assert not procscan.Holder(Writer("n", 1), "r").writing
 
 
 def test_candidate_filter():
@@ -176,14 +177,6 @@ def test_candidate_filter():
     assert procscan.is_candidate("pt_elastic", [])
     assert procscan.is_candidate("x", ["/usr/bin/python3", "train.py"])
     assert not procscan.is_candidate("bash", ["/bin/bash"])
-
-
-def test_module_level_helpers(tmp_path):
-    path = str(tmp_path / "model.pt")
-    with Holder(path, LOCAL_RANK=4) as h:
-        assert [(w.pid, w.local_rank) for w in procscan.writers_of(path)] == [(h.pid, 4)]
-        assert procscan.readers_of(path) == []
-    assert procscan.stats()["scans"] >= 1
 
 
 def test_own_process_excluded_by_default(tmp_path):

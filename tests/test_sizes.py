@@ -1,5 +1,5 @@
 """monitor.detect.sizes: finished writes of one path by different processes that differ in size."""
-from monitor.detect.model import Write, Writer
+from monitor.detect.model import Finding, Write, Writer
 from monitor.detect.sizes import SizeHistory
 
 
@@ -13,8 +13,13 @@ def test_different_processes_leaving_different_sizes_is_a_fluctuation():
     h = SizeHistory(window=60, tolerance=0.01)
     assert h.finished(w(10, 1000, 1.0)) is None
     f = h.finished(w(11, 900, 1.2))
-    assert f["type"] == "size_fluctuation" and (f["size_before"], f["size_after"]) == (1000, 900)
-    assert [x["rank"] for x in f["writers"]] == [0, 1] and f["job"] == "j"
+    assert f.kind == "size_fluctuation" and (f.get("size_before"), f.get("size_after")) == \
+        (1000, 900)
+    assert [x["rank"] for x in f.writers] == [0, 1] and f.job == "j"
+    rec = f.to_record()
+    assert (rec["type"], rec["path"], rec["rule"], rec["size_after"]) == \
+        ("size_fluctuation", "/c/last.pt", "finished sizes differ", 900)
+    assert Finding.from_record(rec) == f
 
 
 def test_within_tolerance_same_process_outside_window_or_failed_saves_are_not():

@@ -55,7 +55,7 @@ from collections import OrderedDict
 from typing import Callable
 
 from monitor.detect.model import (KIND_CONCURRENT, KIND_REDUNDANT, SCOPE_NODE, SOURCE_HOOK,
-                           Collision, Write, Writer)
+                                  WRITER_FIELDS, Collision, Write, Writer)
 
 OUTCOME_LOST = "lost"
 # How often tick() looks at in-flight writes for dead processes and stale starts.
@@ -124,9 +124,6 @@ class _Entry:
         return self.write
 
 
-# Writer's fields in its constructor's order (see monitor.detect.model.Writer).
-_WRITER_FIELDS = ("node", "pid", "rank", "local_rank", "world_size", "local_world_size",
-                  "node_rank", "job", "master", "restart")
 _MAX_CACHED_WRITERS = 65536
 
 
@@ -340,7 +337,7 @@ class Detector:
     def _writer(self, event: dict) -> Writer:
         # One Writer per distinct identity: a process saves many times, and building a frozen
         # dataclass per event is a measurable share of the agent's per-event cost.
-        key = tuple(map(event.get, _WRITER_FIELDS))
+        key = tuple(map(event.get, WRITER_FIELDS))
         writer = self._writers.get(key)
         if writer is None:
             if len(self._writers) >= _MAX_CACHED_WRITERS:

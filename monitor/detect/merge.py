@@ -21,8 +21,8 @@ from __future__ import annotations
 import time
 from collections import OrderedDict, deque
 
-IDENTITY_FIELDS = ("node", "rank", "local_rank", "world_size", "local_world_size",
-                   "node_rank", "job", "master", "restart")
+from monitor.detect.model import Writer
+
 # Slack for comparing the hook's and the watcher's readings of one write: the hook reads the
 # clock just before open() and after close(); the watcher handles inotify's events a moment
 # (under load, many milliseconds) later. Generous on purpose: only writes by the same pid to
@@ -40,7 +40,7 @@ class SourceMerger:
         self._clock = clock
         self._held: deque = deque()                     # (due, fs event)
         self._hook_writes: OrderedDict = OrderedDict()  # (pid, path) -> {seq: [start, end, key]}
-        self._identity: OrderedDict = OrderedDict()     # pid -> identity fields from the hook
+        self._identity: OrderedDict = OrderedDict()     # pid -> Writer the hook reported
         self._merged: dict = {}                         # fs (pid, seq) -> hook key
         self.merged_total = 0
         self._next_expiry = 0.0
@@ -48,7 +48,7 @@ class SourceMerger:
     def hook_event(self, event: dict) -> None:
         """Remember a hook start/end (call for every hook event, before the detector)."""
         pid, path = event["pid"], event["path"]
-        self._identity[pid] = {f: event.get(f) for f in IDENTITY_FIELDS}
+        self._identity[pid] = Writer.from_event(event)
         self._identity.move_to_end(pid)
         writes = self._hook_writes.get((pid, path))
         if writes is None:
@@ -92,7 +92,7 @@ class SourceMerger:
                 continue
             known = self._identity.get(pid)
             if known is not None:
-                event = {**event, **known}
+                event = {**event, **known.to_record()}
             forward.append(event)
         self._expire(now)
         return forward, seen

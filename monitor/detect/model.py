@@ -1,18 +1,24 @@
-"""Agent-side values: writers, writes and collisions. Pure, immutable, stdlib only.
+"""Agent-side values: writers, writes, collisions and findings. Pure, immutable, stdlib only.
 
-The detector produces these, the exporters (metrics, journal, log) and `ckptwatch report`
-consume them. Journal records are built here (to_record) and read back here (from_record) so
-the two can never drift apart. Field names follow ckptwatch/events.py.
+The detector, the filesystem tracker and the size history produce these, the exporters
+(metrics, journal, log) and `ckptwatch report` consume them. Journal records are built here
+(to_record) and read back here (from_record) so the two can never drift apart. Field names
+follow ckptwatch/events.py.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, Mapping
 
 KIND_CONCURRENT = "concurrent"
 KIND_REDUNDANT = "redundant"
 SCOPE_NODE = "node"
 SOURCE_HOOK = "hook"
 SOURCE_FS = "fs"
+# Finding kinds: the journal record's "type" and what the metrics count.
+FINDING_SIZE_FLUCTUATION = "size_fluctuation"
+FINDING_TORN_READ = "torn_read"
+FINDING_VERIFICATION = "verification"
 
 
 @dataclass(frozen=True)
@@ -60,18 +66,21 @@ class Writer:
         return f"{who}@{self.node}"
 
     @classmethod
-    def from_event(cls, event: dict) -> "Writer":
-        return cls(node=event["node"], pid=event["pid"], rank=event.get("rank"),
-                   local_rank=event.get("local_rank"), world_size=event.get("world_size"),
-                   local_world_size=event.get("local_world_size"),
-                   node_rank=event.get("node_rank"), job=event.get("job"),
-                   master=event.get("master"), restart=event.get("restart"))
+    def from_event(cls, event: Mapping) -> "Writer":
+        """The writer named by a hook event, an fs event or a journal record (the same
+        field names: ckptwatch/events.py)."""
+        return cls(*map(event.get, WRITER_FIELDS))
 
     def to_record(self) -> dict:
+        """The writer's fields in the shape of a hook event (and of the journal's records)."""
         return {"node": self.node, "pid": self.pid, "rank": self.rank,
                 "local_rank": self.local_rank, "world_size": self.world_size,
                 "local_world_size": self.local_world_size, "node_rank": self.node_rank,
                 "job": self.job, "master": self.master, "restart": self.restart}
+
+
+# Writer's fields, in its constructor's order: the one list of what names a writer.
+WRITER_FIELDS = tuple(Writer.__dataclass_fields__)
 
 
 @dataclass(frozen=True)
@@ -101,16 +110,25 @@ class Write:
 
     def to_record(self) -> dict:
         """The journal's "write" record and the per-writer entry of a collision record."""
+        # Item by item, not update({...}): the journal writes one of these per finished save
+        # and the intermediate dict was a measurable share of the agent's cost per event.
         rec = self.writer.to_record()
-        rec.update({"path": self.path, "seq": self.seq, "start_wall": self.start_wall,
-                    "end_wall": self.end_wall, "duration": self.duration,
-                    "bytes": self.bytes, "outcome": self.outcome, "site": self.site,
-                    "func": self.func, "source": self.source})
+        end = self.end_mono
+        rec["path"] = self.path
+        rec["seq"] = self.seq
+        rec["start_wall"] = self.start_wall
+        rec["end_wall"] = self.end_wall
+        rec["duration"] = None if end is None else max(0.0, end - self.start_mono)
+        rec["bytes"] = self.bytes
+        rec["outcome"] = self.outcome
+        rec["site"] = self.site
+        rec["func"] = self.func
+        rec["source"] = self.source
         return rec
 
     @classmethod
     def from_record(cls, rec: dict) -> "Write":
-        writer = Writer(**{k: rec.get(k) for k in Writer.__dataclass_fields__})
+        writer = Writer.from_event(rec)
         duration = rec.get("duration")
         start_wall = rec["start_wall"]
         end_wall = rec.get("end_wall")
@@ -192,3 +210,50 @@ class Collision:
                    scope=rec.get("scope", SCOPE_NODE),
                    sources=tuple(rec.get("sources", [SOURCE_HOOK])),
                    detected_wall=rec.get("detected_wall", 0.0), id=rec.get("id", ""))
+
+
+@dataclass(frozen=True)
+class Finding:
+    """Something wrong with a checkpoint that is not a collision: a size fluctuation, a torn
+    read, a verification verdict. The journal's record is {"type": kind, ...}.
+
+    `writers` are the processes involved, as record-shaped dicts (identity fields plus what
+    the producer knew of each write); `details` holds the kind's own fields (size_before,
+    reader, result, ...), in record order. Both are carried into the record unchanged, so a
+    finding journals exactly as the dicts it replaced did.
+    """
+
+    kind: str                               # FINDING_*
+    path: str
+    job: str = ""                           # the metric label ("a,b" for several jobs)
+    wall: float | None = None
+    node: str | None = None
+    source: str | None = None               # SOURCE_HOOK | SOURCE_FS; None for a verdict
+    writers: tuple[Mapping[str, Any], ...] = ()
+    details: Mapping[str, Any] = field(default_factory=dict)
+
+    def get(self, name: str, default=None):
+        """A kind-specific field (details), e.g. f.get("size_before")."""
+        return self.details.get(name, default)
+
+    def to_record(self) -> dict:
+        rec: dict = {"type": self.kind, "path": self.path}
+        if self.node is not None:
+            rec["node"] = self.node
+        if self.source is not None:
+            rec["source"] = self.source
+        rec["job"] = self.job
+        rec["wall"] = self.wall
+        if self.writers:
+            rec["writers"] = [dict(w) for w in self.writers]
+        rec.update(self.details)
+        return rec
+
+    @classmethod
+    def from_record(cls, rec: Mapping) -> "Finding":
+        details = {k: v for k, v in rec.items()
+                   if k not in ("type", "path", "job", "wall", "node", "source", "writers",
+                                "ts")}
+        return cls(kind=rec["type"], path=rec["path"], job=rec.get("job") or "",
+                   wall=rec.get("wall"), node=rec.get("node"), source=rec.get("source"),
+                   writers=tuple(rec.get("writers") or ()), details=details)

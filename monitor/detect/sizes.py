@@ -10,9 +10,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from monitor.detect.model import Write
-
-FINDING = "size_fluctuation"
+from monitor.detect.model import FINDING_SIZE_FLUCTUATION, Finding, Write
 
 
 class SizeHistory:
@@ -22,8 +20,8 @@ class SizeHistory:
         self.max_paths = max_paths
         self._last: OrderedDict = OrderedDict()    # path -> (end_mono, bytes, Write)
 
-    def finished(self, write: Write) -> dict | None:
-        """Record a finished write; a finding dict if its size departs from the previous
+    def finished(self, write: Write) -> Finding | None:
+        """Record a finished write; a size_fluctuation Finding if its size departs from the previous
         finished write of the path by another process within the window."""
         if write.outcome != "ok" or write.bytes is None or write.end_mono is None:
             return None
@@ -41,9 +39,10 @@ class SizeHistory:
         if abs(size - write.bytes) / largest <= self.tolerance:
             return None
         jobs = sorted({before.writer.job_label, write.writer.job_label})
-        return {"v": 1, "type": FINDING, "source": write.source, "path": write.path,
-                "node": write.writer.node, "job": jobs[0] if len(jobs) == 1 else ",".join(jobs),
-                "rule": "finished sizes differ", "size_before": size,
-                "size_after": write.bytes, "wall": write.end_wall,
-                "writers": [{"pid": w.writer.pid, "rank": w.writer.rank, "node": w.writer.node,
-                             "bytes": w.bytes, "site": w.site} for w in (before, write)]}
+        return Finding(FINDING_SIZE_FLUCTUATION, write.path,
+                       jobs[0] if len(jobs) == 1 else ",".join(jobs), write.end_wall,
+                       write.writer.node, write.source,
+                       tuple({"pid": w.writer.pid, "rank": w.writer.rank, "node": w.writer.node,
+                              "bytes": w.bytes, "site": w.site} for w in (before, write)),
+                       {"v": 1, "rule": "finished sizes differ", "size_before": size,
+                        "size_after": write.bytes})

@@ -37,6 +37,7 @@ from typing import Callable, Iterable
 import psutil
 
 from ckptwatch import identity
+from monitor.detect.model import Writer
 
 # Process names (psutil name(), i.e. the kernel comm, at most 15 characters) and interpreter
 # prefixes that make a process a candidate checkpoint writer.
@@ -51,37 +52,26 @@ _ENV_CACHE_CAP = 4096
 
 
 @dataclass(frozen=True)
-class ProcWriter:
-    """One process holding a path open, with the identity its environment gives it.
+class Holder:
+    """One process holding a path open: who it is (the Writer its environment names) and
+    how it opened the path.
 
     `mode` is psutil's open mode: "r" (read only), "w" (write, truncated or not), "a"
     (append), "r+" (read and write). Writers are every mode but "r".
     """
 
-    pid: int
+    writer: Writer
     mode: str
-    rank: int | None = None
-    local_rank: int | None = None
-    world_size: int | None = None
-    job: str | None = None
-    node_rank: int | None = None
-    cmdline: tuple[str, ...] = ()
-    local_world_size: int | None = None
-    master: str | None = None
-    restart: int | None = None
-    node: str = ""
     fd: int | None = None
+    cmdline: tuple[str, ...] = ()
+
+    @property
+    def pid(self) -> int:
+        return self.writer.pid
 
     @property
     def writing(self) -> bool:
         return self.mode in WRITE_MODES
-
-    def identity(self) -> dict:
-        """Writer fields in the shape of a hook event (ckptwatch/events.py)."""
-        return {"node": self.node, "pid": self.pid, "rank": self.rank,
-                "local_rank": self.local_rank, "world_size": self.world_size,
-                "local_world_size": self.local_world_size, "node_rank": self.node_rank,
-                "job": self.job, "master": self.master, "restart": self.restart}
 
 
 def is_candidate(name: str, cmdline: list | tuple | None) -> bool:
@@ -153,9 +143,10 @@ class ProcScanner:
         self._known: dict[int, psutil.Process | None] = {}
         self._full_at = -float("inf")
         self._update_at = -float("inf")
-        self._env_cache: dict[tuple[int, float], dict] = {}
-        self._last_by_pid: dict[int, dict] = {}     # for describe() after the process exits
-        self._results: dict[str, tuple[float, list[ProcWriter]]] = {}
+        # (pid, start time) -> (Writer, cmdline), read once per process.
+        self._env_cache: dict[tuple[int, float], tuple[Writer, tuple]] = {}
+        self._last_by_pid: dict[int, tuple] = {}    # for describe() after the process exits
+        self._results: dict[str, tuple[float, list[Holder]]] = {}
         self._stats = {"scans": 0, "last_seconds": 0.0, "total_seconds": 0.0, "errors": 0,
                        "denied": 0, "vanished": 0, "cache_hits": 0, "full_scans": 0,
                        "candidates": 0, "refreshes": 0, "updates": 0}
@@ -163,7 +154,7 @@ class ProcScanner:
     # ------------------------------------------------------------------ public API
 
     def holders_of(self, path: str, candidates: Iterable | None = None,
-                   changed_after: float | None = None) -> list[ProcWriter]:
+                   changed_after: float | None = None) -> list[Holder]:
         """Every process holding `path` open (readers and writers), one entry per fd.
 
         candidates: pids or psutil.Process objects to scan instead of the cached candidate
@@ -196,49 +187,49 @@ class ProcScanner:
                     self._results.pop(next(iter(self._results)))
             return list(found)
 
-    def describe(self, pid: int, mode: str) -> ProcWriter:
-        """A ProcWriter for a pid the caller already knows holds a file (fanotify told it):
+    def describe(self, pid: int, mode: str) -> Holder:
+        """A Holder for a pid the caller already knows holds a file (fanotify told it):
         its identity from its environment (cached), or only the pid if it is gone or hidden."""
         with self._lock:
             proc = _process(pid)
             try:
                 if proc is None:
                     raise psutil.NoSuchProcess(pid)
-                return _holder(pid, mode, None, self._identity(proc))
+                return _holder(mode, None, self._identity(proc))
             except psutil.NoSuchProcess:
                 self._stats["vanished"] += 1
                 # Gone since its event: the identity read while it lived, if any.
                 ident = self._last_by_pid.get(pid)
                 if ident is not None:
-                    return _holder(pid, mode, None, ident)
+                    return _holder(mode, None, ident)
             except psutil.AccessDenied:
                 self._stats["denied"] += 1
             except Exception:
                 self._stats["errors"] += 1
-            return ProcWriter(pid=pid, mode=mode, node=self.node)
+            return Holder(Writer(self.node, pid), mode)
 
     def writers_of(self, path: str, candidates: Iterable | None = None,
-                   changed_after: float | None = None) -> list[ProcWriter]:
+                   changed_after: float | None = None) -> list[Holder]:
         """Processes holding `path` open with a write mode (one entry per process)."""
         return _per_pid([p for p in self.holders_of(path, candidates, changed_after)
                          if p.writing])
 
     def readers_of(self, path: str, candidates: Iterable | None = None,
-                   changed_after: float | None = None) -> list[ProcWriter]:
+                   changed_after: float | None = None) -> list[Holder]:
         """Processes holding `path` open read-only and not also for writing (torn reads)."""
         holders = self.holders_of(path, candidates, changed_after)
         writing = {p.pid for p in holders if p.writing}
         return _per_pid([p for p in holders if not p.writing and p.pid not in writing])
 
     def holders_under(self, root: str, match: Callable[[str], bool] | None = None
-                      ) -> dict[str, list[ProcWriter]]:
+                      ) -> dict[str, list[Holder]]:
         """Every open file below directory `root` held by a candidate process, by path.
 
         One pass over the candidates (no full-scan fallback): what a rescan after lost
         events needs, instead of one scan per file. `match(path)` filters the paths.
         """
         prefix = os.path.realpath(root).rstrip(os.sep) + os.sep
-        found: dict[str, list[ProcWriter]] = {}
+        found: dict[str, list[Holder]] = {}
         with self._lock:
             started = time.perf_counter()
             try:
@@ -261,7 +252,7 @@ class ProcScanner:
                         self._stats["errors"] += 1
                         continue
                     for path, fd, mode in opens:
-                        found.setdefault(path, []).append(_holder(proc.pid, mode, fd, ident))
+                        found.setdefault(path, []).append(_holder(mode, fd, ident))
             finally:
                 elapsed = time.perf_counter() - started
                 self._stats["scans"] += 1
@@ -277,7 +268,7 @@ class ProcScanner:
 
     # ------------------------------------------------------------------ scanning
 
-    def _scan(self, path: str, candidates, now: float, changed: bool) -> list[ProcWriter]:
+    def _scan(self, path: str, candidates, now: float, changed: bool) -> list[Holder]:
         if candidates is not None:
             procs = [c if isinstance(c, psutil.Process) else _process(c) for c in candidates]
             return self._scan_procs(path, [p for p in procs if p is not None])
@@ -340,7 +331,7 @@ class ProcScanner:
             for key in [k for k in self._env_cache if k not in live]:
                 del self._env_cache[key]
 
-    def _scan_procs(self, path: str, procs) -> list[ProcWriter]:
+    def _scan_procs(self, path: str, procs) -> list[Holder]:
         found = []
         for proc in procs:
             try:
@@ -349,7 +340,7 @@ class ProcScanner:
                     continue
                 ident = self._identity(proc)
                 for fd, mode in opens:
-                    found.append(_holder(proc.pid, mode, fd, ident))
+                    found.append(_holder(mode, fd, ident))
             except psutil.NoSuchProcess:
                 self._stats["vanished"] += 1
             except psutil.AccessDenied:
@@ -374,7 +365,8 @@ class ProcScanner:
         except PermissionError as exc:
             raise psutil.AccessDenied(proc.pid) from exc
 
-    def _identity(self, proc: psutil.Process) -> dict:
+    def _identity(self, proc: psutil.Process) -> tuple[Writer, tuple]:
+        """(the Writer the process's environment names, its command line)."""
         key = (proc.pid, _create_time(proc))
         ident = self._env_cache.get(key)
         if ident is not None:
@@ -382,13 +374,14 @@ class ProcScanner:
         environ = proc.environ()
         # from_environ describes the *calling* process's pid and host: keep its field parsing,
         # replace those two with the scanned process's.
-        ident = identity.from_environ(environ)
-        ident["pid"] = proc.pid
-        ident["node"] = environ.get(identity.NODE_ENV) or self.node
+        fields = identity.from_environ(environ)
+        fields["pid"] = proc.pid
+        fields["node"] = environ.get(identity.NODE_ENV) or self.node
         try:
-            ident["cmdline"] = tuple(proc.cmdline())
+            cmdline = tuple(proc.cmdline())
         except psutil.Error:
-            ident["cmdline"] = ()
+            cmdline = ()
+        ident = (Writer.from_event(fields), cmdline)
         if len(self._env_cache) >= _ENV_CACHE_CAP:
             self._env_cache.clear()
             self._last_by_pid.clear()
@@ -397,12 +390,9 @@ class ProcScanner:
         return ident
 
 
-def _holder(pid: int, mode: str, fd: int | None, ident: dict) -> ProcWriter:
-    return ProcWriter(pid=pid, mode=mode, rank=ident["rank"], local_rank=ident["local_rank"],
-                      world_size=ident["world_size"], job=ident["job"],
-                      node_rank=ident["node_rank"], cmdline=ident["cmdline"],
-                      local_world_size=ident["local_world_size"], master=ident["master"],
-                      restart=ident["restart"], node=ident["node"], fd=fd)
+def _holder(mode: str, fd: int | None, ident: tuple[Writer, tuple]) -> Holder:
+    writer, cmdline = ident
+    return Holder(writer, mode, fd, cmdline)
 
 
 def _process(pid: int) -> psutil.Process | None:
@@ -426,36 +416,8 @@ def _create_time(proc: psutil.Process) -> float:
         return 0.0
 
 
-def _per_pid(holders: list[ProcWriter]) -> list[ProcWriter]:
-    seen: dict[int, ProcWriter] = {}
+def _per_pid(holders: list[Holder]) -> list[Holder]:
+    seen: dict[int, Holder] = {}
     for p in holders:
         seen.setdefault(p.pid, p)
     return sorted(seen.values(), key=lambda p: p.pid)
-
-
-_default: ProcScanner | None = None
-_default_lock = threading.Lock()
-
-
-def default_scanner() -> ProcScanner:
-    """A process-wide scanner for the module-level helpers."""
-    global _default
-    with _default_lock:
-        if _default is None:
-            _default = ProcScanner()
-        return _default
-
-
-def writers_of(path: str, candidates: Iterable | None = None) -> list[ProcWriter]:
-    """Processes holding `path` open for writing, with rank/job (see ProcScanner)."""
-    return default_scanner().writers_of(path, candidates)
-
-
-def readers_of(path: str, candidates: Iterable | None = None) -> list[ProcWriter]:
-    """Processes holding `path` open read-only (see ProcScanner)."""
-    return default_scanner().readers_of(path, candidates)
-
-
-def stats() -> dict:
-    """The default scanner's stats()."""
-    return default_scanner().stats()

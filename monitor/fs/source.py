@@ -3,8 +3,9 @@
 The watcher's callbacks run on watchdog's threads and must be quick, and attribution (which
 process has the file open, read from /proc) costs milliseconds and may wait a moment for a
 fresh fd to appear. So: the watcher only queues FsEvents; one attribution thread turns them
-into start/end events and findings (monitor.fs.tracker.attribute), and hands them to the core
-loop as batches through `deliver`. The core loop owns the detector; nothing here touches it.
+into start/end events, Findings (monitor.fs.tracker.attribute) and FileNotices, and hands them
+to the core loop as batches through `deliver`. The core loop owns the detector; nothing here
+touches it.
 """
 from __future__ import annotations
 
@@ -12,11 +13,13 @@ import logging
 import queue
 import threading
 from collections import OrderedDict
+from dataclasses import dataclass
 
 from monitor.fs import fanotify
 from monitor.fs import tracker as fstracker
 from monitor.fs import watch as fswatch
 from monitor.fs import procscan
+from monitor.fs.options import ATTRIBUTIONS
 
 log = logging.getLogger("ckptwatch.fs")
 
@@ -25,7 +28,15 @@ FILE_CLOSED = "file_closed" # delivered for every finished write: verify the fil
 FILE_CHANGED = "file_changed"  # delivered once per write in progress: not yet
 
 
-from monitor.fs.options import ATTRIBUTIONS  # noqa: E402
+@dataclass(frozen=True)
+class FileNotice:
+    """A checkpoint file finished changing (FILE_CLOSED) or began to (FILE_CHANGED), whoever
+    wrote it: what the verification schedule needs, attributed or not."""
+
+    kind: str
+    path: str
+
+
 
 
 class FsSource:
@@ -146,22 +157,22 @@ class FsSource:
                         # Whoever wrote it (attributed or not: under polling a short write
                         # is over before any scan), a finished file is due for verification.
                         self._changing.discard(item.path)
-                        out = out + [{"type": FILE_CLOSED, "path": item.path, "source": "fs"}]
+                        out = out + [FileNotice(FILE_CLOSED, item.path)]
                     elif item.kind == fswatch.MOVED and item.dest:
                         # An atomic save (write elsewhere, rename into place) finishes with
                         # the rename.
-                        out = out + [{"type": FILE_CLOSED, "path": item.dest, "source": "fs"}]
+                        out = out + [FileNotice(FILE_CLOSED, item.dest)]
                     elif item.kind == fswatch.CREATED and item.size:
                         # Created with content at once: renamed in from outside the watched
                         # tree (Lightning/fsspec move a temp file in; inotify reports that as
                         # a create). A fresh open(O_CREAT) is 0 bytes and waits for its close.
-                        out = out + [{"type": FILE_CLOSED, "path": item.path, "source": "fs"}]
+                        out = out + [FileNotice(FILE_CLOSED, item.path)]
                     elif item.kind == fswatch.MODIFIED and item.path not in self._changing:
                         # Being written again: no verification until the next close (once
                         # per write, not per write(2)).
                         if len(self._changing) < MAX_QUEUED:
                             self._changing.add(item.path)
-                        out = out + [{"type": FILE_CHANGED, "path": item.path, "source": "fs"}]
+                        out = out + [FileNotice(FILE_CHANGED, item.path)]
                 if out:
                     self._deliver(out)
             except Exception:       # one odd file must not end filesystem observation

@@ -1,11 +1,12 @@
 """From filesystem events to writes: which process wrote which checkpoint, when.
 
-WriteTracker (pure, no threads) turns monitor.fs.watch FsEvents plus procscan attributions
-(who holds the file open right after the event) into write intervals per (path, pid),
-emitted as hook-shaped "start"/"end" event dicts with "source": "fs", and into findings:
-fs_collision, size_fluctuation (a file shrinking under two writers), torn_read (a reader
-while another process writes). attribute() and rescan() are the glue the agent's
-attribution thread runs per event and after lost events.
+WriteTracker (pure, no threads) turns monitor.fs.watch FsEvents plus procscan attributions (who
+holds the file open right after the event) into write intervals per (path, pid), emitted as
+hook-shaped "start"/"end" event dicts with "source": "fs", and into Findings: size_fluctuation
+(a file shrinking under two writers), torn_read (a reader while another process writes). Two
+processes writing one path at once is not a finding here: the detector builds that collision
+from the start/end intervals, whichever source saw them. attribute() and rescan() are the glue
+the agent's attribution thread runs per event and after lost events.
 """
 from __future__ import annotations
 
@@ -17,15 +18,12 @@ from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from ckptwatch.events import SCHEMA_VERSION
+from monitor.detect.model import FINDING_SIZE_FLUCTUATION, FINDING_TORN_READ, Finding
 from monitor.fs.fanotify import FAN_CLOSE_NOWRITE, FAN_CLOSE_WRITE, FAN_MODIFY, FAN_OPEN
 from monitor.fs.watch import (CLOSED_NOWRITE, CLOSED_WRITE, CREATED, DELETED, MODIFIED, MOVED,
                              OPENED, OVERFLOW, ROOT_LOST, SOURCE_FS, FsEvent, _size)
 
 
-# Finding types (not wire events: the agent consumes them directly).
-FS_COLLISION = "fs_collision"
-SIZE_FLUCTUATION = "size_fluctuation"
-TORN_READ = "torn_read"
 # fs writes get seq numbers far above any hook's per-process counter, so the detector's
 # (node, pid, seq) pairing never mixes an fs interval with a hook interval of the same pid.
 FS_SEQ_BASE = 1 << 48
@@ -35,7 +33,7 @@ OUTCOME_LOST = "lost"
 
 @dataclass
 class _Open:
-    proc: object           # procscan.ProcWriter
+    proc: object           # procscan.Holder
     seq: int
     start_mono: float
     start_wall: float
@@ -45,7 +43,7 @@ class _Open:
 @dataclass
 class _PathState:
     writers: dict = field(default_factory=dict)    # pid -> _Open
-    readers: dict = field(default_factory=dict)    # pid -> ProcWriter
+    readers: dict = field(default_factory=dict)    # pid -> procscan.Holder
 
 
 class WriteTracker:
@@ -53,22 +51,22 @@ class WriteTracker:
 
     observe(ev, holders) takes the event and, when the caller attributed it, `holders`: every
     process holding ev's path open right after the event (procscan.ProcScanner.holders_of),
-    or None when not attributed. It returns a list of dicts:
+    or None when not attributed. It returns a list of:
 
     - "start" / "end" events in the shape of ckptwatch/events.py (validate() accepts them), one
       interval per (path, pid) from the first attribution that shows the pid holding the path
       for writing to the first one that does not (or the file's deletion), plus
       "source": "fs". Times are those of the FsEvents, i.e. of the agent seeing them.
-    - fs_collision: a pid starts writing a path another pid is writing; lists all writers.
-    - size_fluctuation: the file shrank while two or more pids held it open for writing. A
+    - Finding size_fluctuation: the file shrank while two or more pids held it open for writing. A
       shrink with at most one writer (a save truncating its own file as it starts) is
       normal: it is only counted, in counts["truncations"]. The last size of every path
       seen is kept (bounded by max_paths) so the first open of a new save compares
       against the previous file.
-    - torn_read: a pid opened the path read-only while another pid was writing it.
+    - Finding torn_read: a pid opened the path read-only while another pid was writing it.
 
-    Findings carry "v", "type", "source": "fs", "node", "path", "wall", "mono", "job" (the
-    metric label) and "writers" (identity dicts with mode, seq and start times).
+    Findings carry source "fs", node, path, wall, job (the metric label), writers (identity
+    dicts with mode, seq and start times) and details "v", "mono" (+ size_before/size_after,
+    or reader).
     """
 
     def __init__(self, node: str = "", max_paths: int = 10000, exact_writers: bool = False):
@@ -84,7 +82,7 @@ class WriteTracker:
         self._last_writes: OrderedDict[str, tuple] = OrderedDict()
         self._pending_renames: OrderedDict[str, FsEvent] = OrderedDict()   # src -> MOVED
         self._seq = itertools.count(FS_SEQ_BASE)
-        self.counts = {FS_COLLISION: 0, SIZE_FLUCTUATION: 0, TORN_READ: 0, "starts": 0,
+        self.counts = {FINDING_SIZE_FLUCTUATION: 0, FINDING_TORN_READ: 0, "starts": 0,
                        "ends": 0, "truncations": 0, "renames": 0}
 
     def needs_attribution(self, ev: FsEvent) -> bool:
@@ -113,11 +111,10 @@ class WriteTracker:
         state = self._paths.get(path)
         return sorted(state.writers) if state else []
 
-    def write_started(self, path: str, proc, mono: float, wall: float) -> list[dict]:
-        """`proc` (a procscan.ProcWriter) began writing `path` at mono/wall: known exactly
-        (fanotify), not inferred from a scan. A start event, and a collision finding when
-        another process is writing the path too."""
-        out: list[dict] = []
+    def write_started(self, path: str, proc, mono: float, wall: float) -> list:
+        """`proc` (a procscan.Holder) began writing `path` at mono/wall: known exactly
+        (fanotify), not inferred from a scan. A start event."""
+        out: list = []
         state = self._paths.get(path)
         if state is not None and proc.pid in state.writers:
             return out
@@ -128,14 +125,12 @@ class WriteTracker:
         state.writers[proc.pid] = opened
         out.append(self._write_event("start", opened))
         self.counts["starts"] += 1
-        if len(state.writers) >= 2:
-            out.append(self._finding(FS_COLLISION, path, state, ev))
         return out
 
     def write_ended(self, path: str, pid: int, mono: float, wall: float,
-                    size: int | None) -> list[dict]:
+                    size: int | None) -> list:
         """`pid` closed `path` after writing it (fanotify's CLOSE_WRITE)."""
-        out: list[dict] = []
+        out: list = []
         state = self._paths.get(path)
         if state is None or pid not in state.writers:
             return out
@@ -144,7 +139,7 @@ class WriteTracker:
             del self._paths[path]
         return out
 
-    def note_write(self, path: str, proc, end_mono: float) -> list[dict]:
+    def note_write(self, path: str, proc, end_mono: float) -> list:
         """A finished write of a file that is not tracked as a checkpoint (a temporary file
         of an atomic save): remembered only so its rename into place can be attributed.
         Returns that attribution when the rename was seen first (fanotify and inotify are
@@ -153,19 +148,19 @@ class WriteTracker:
         self._last_writes.move_to_end(path)
         if len(self._last_writes) > self._max_paths:
             self._last_writes.popitem(last=False)
-        out: list[dict] = []
+        out: list = []
         moved = self._pending_renames.pop(path, None)
         if moved is not None:
             self._renamed_into_place(moved, out)
         return out
 
     def observe(self, ev: FsEvent, holders: list | None = None,
-                reconcile_writers: bool | None = None) -> list[dict]:
+                reconcile_writers: bool | None = None) -> list:
         """reconcile_writers: whether `holders` also decide who writes (default: unless
         writers are exact; a rescan after lost events passes True)."""
         if reconcile_writers is None:
             reconcile_writers = not self.exact_writers
-        out: list[dict] = []
+        out: list = []
         if ev.kind == ROOT_LOST:
             prefix = ev.path.rstrip(os.sep) + os.sep
             for path in [p for p in self._paths if p.startswith(prefix)]:
@@ -200,9 +195,8 @@ class WriteTracker:
             before = self._sizes.get(path)
             if before is not None and ev.size < before:
                 if state is not None and len(state.writers) >= 2:
-                    finding = self._finding(SIZE_FLUCTUATION, path, state, ev)
-                    finding.update(size_before=before, size_after=ev.size)
-                    out.append(finding)
+                    out.append(self._finding(FINDING_SIZE_FLUCTUATION, path, state, ev,
+                                             size_before=before, size_after=ev.size))
                 else:
                     self.counts["truncations"] += 1
             self._sizes[path] = ev.size
@@ -235,7 +229,6 @@ class WriteTracker:
             self._end(path, state, pid, ev, "ok", out)
         for pid in [pid for pid in state.readers if pid not in readers_now]:
             del state.readers[pid]
-        joined = False
         for pid, proc in sorted(writers_now.items()):
             if pid in state.writers:
                 continue
@@ -243,18 +236,13 @@ class WriteTracker:
             state.writers[pid] = opened
             out.append(self._write_event("start", opened))
             self.counts["starts"] += 1
-            joined = joined or len(state.writers) >= 2
-        if joined:
-            out.append(self._finding(FS_COLLISION, path, state, ev))
         for pid, proc in sorted(readers_now.items()):
             if pid in state.readers:
                 continue
             state.readers[pid] = proc
             if any(w != pid for w in state.writers):
-                finding = self._finding(TORN_READ, path, state, ev)
-                finding["reader"] = dict(proc.identity(), node=proc.node or self._node,
-                                         mode=proc.mode)
-                out.append(finding)
+                out.append(self._finding(FINDING_TORN_READ, path, state, ev,
+                                         reader=dict(self._identity(proc), mode=proc.mode)))
         return state
 
     def _renamed_into_place(self, ev: FsEvent, out: list) -> None:
@@ -313,8 +301,8 @@ class WriteTracker:
         self.counts["ends"] += 1
 
     def _identity(self, proc) -> dict:
-        ident = proc.identity()
-        ident["node"] = proc.node or self._node
+        ident = proc.writer.to_record()
+        ident["node"] = ident["node"] or self._node
         return ident
 
     def _write_event(self, kind, opened: _Open, mono=None, wall=None) -> dict:
@@ -325,7 +313,7 @@ class WriteTracker:
                      mono=opened.start_mono if mono is None else mono, source=SOURCE_FS)
         return event
 
-    def _finding(self, kind, path, state, ev) -> dict:
+    def _finding(self, kind, path, state, ev, **details) -> Finding:
         self.counts[kind] += 1
         writers = []
         for opened in sorted(state.writers.values(), key=lambda o: (o.start_mono, o.seq)):
@@ -334,10 +322,9 @@ class WriteTracker:
                      start_wall=opened.start_wall)
             writers.append(w)
         jobs = sorted({w["job"] or "" for w in writers})
-        return {"v": SCHEMA_VERSION, "type": kind, "source": SOURCE_FS, "node": self._node,
-                "path": path, "wall": ev.wall, "mono": ev.mono,
-                "job": jobs[0] if len(jobs) == 1 else ",".join(j or "?" for j in jobs),
-                "writers": writers}
+        job = jobs[0] if len(jobs) == 1 else ",".join(j or "?" for j in jobs)
+        return Finding(kind, path, job, ev.wall, self._node, SOURCE_FS, tuple(writers),
+                       {"v": SCHEMA_VERSION, "mono": ev.mono, **details})
 
 
 # How long a rename whose source's writer is not known yet waits for that writer's close.
@@ -350,7 +337,7 @@ OPEN_RETRY_DELAY = 0.005
 
 
 def attribute(ev: FsEvent, tracker: WriteTracker, scanner,
-              sleep: Callable[[float], None] = time.sleep) -> list[dict]:
+              sleep: Callable[[float], None] = time.sleep) -> list:
     """The glue the agent runs per FsEvent: procscan when the tracker needs it, then track.
 
     scanner: a procscan.ProcScanner. For opens and closes a result cached from before the
@@ -395,8 +382,8 @@ class ExactAttribution:
         self._max_pending = max_pending
         self._pending: OrderedDict = OrderedDict()      # (pid, path) -> (mono, wall) of open
 
-    def observe(self, ev) -> list[dict]:
-        out: list[dict] = []
+    def observe(self, ev) -> list:
+        out: list = []
         if not self._matches(ev.path):
             # Not a checkpoint name (a temporary file of an atomic save): only who finished
             # writing it matters, for when it is renamed into place.
@@ -427,13 +414,13 @@ class ExactAttribution:
 
 def rescan(root: str, tracker: WriteTracker, scanner, matches: Callable[[str], bool],
            clock: Callable[[], float] = time.monotonic,
-           wall_clock: Callable[[], float] = time.time) -> list[dict]:
+           wall_clock: Callable[[], float] = time.time) -> list:
     """Re-attribute everything below `root` after events may have been lost (Watcher's
     on_rescan): one pass over the candidate processes' open files, then every path that is
     held open now or was tracked is reconciled, as if it had just been modified: writers the
     tracker missed start, writers whose close was lost end."""
     held = scanner.holders_under(root, matches)
-    out: list[dict] = []
+    out: list = []
     for path in sorted(set(held) | set(tracker.paths_under(root))):
         ev = FsEvent(MODIFIED, path, _size(path), clock(), wall_clock())
         # Lost events may include a writer's close even when writers are exact: here the
