@@ -73,6 +73,7 @@ class MetricsSnapshot:
     tracked_paths_evicted: int
     journal_errors: int
     ingest_connections: int
+    journal_records_lost: int = 0
     fluctuations: Mapping[str, int] = field(default_factory=dict)   # job -> size fluctuations
     torn_reads: Mapping[str, int] = field(default_factory=dict)     # job -> torn reads
     fs: Mapping = field(default_factory=dict)                      # FsSource.stats(), or {}
@@ -112,6 +113,7 @@ class MetricsState:
         self._tracked_paths = 0
         self._evicted_total = 0
         self._journal_errors = 0
+        self._journal_records_lost = 0
         self._ingest_connections = 0
         # Bounded label sets, present from the start (see _rejected above).
         self._fluctuations: dict[str, int] = {}
@@ -172,9 +174,11 @@ class MetricsState:
             self._tracked_paths = int(tracked_paths)
             self._evicted_total = int(evicted_paths_total)
 
-    def journal_error(self, n: int = 1) -> None:
+    def set_journal_stats(self, errors: int, records_lost: int) -> None:
+        """The journal's own totals (exporters.journal.Journal.errors / .records_lost)."""
         with self._lock:
-            self._journal_errors += n
+            self._journal_errors = int(errors)
+            self._journal_records_lost = int(records_lost)
 
     def finding(self, kind: str, job: str) -> None:
         """A filesystem finding: kind "size_fluctuation" or "torn_read"."""
@@ -226,6 +230,7 @@ class MetricsState:
                 tracked_paths=self._tracked_paths,
                 tracked_paths_evicted=self._evicted_total,
                 journal_errors=self._journal_errors,
+                journal_records_lost=self._journal_records_lost,
                 ingest_connections=self._ingest_connections,
                 fluctuations=MappingProxyType(dict(self._fluctuations)),
                 torn_reads=MappingProxyType(dict(self._torn_reads)),
@@ -308,7 +313,11 @@ class CkptwatchCollector:
                                   "reached (their collisions may be missed).",
                                   value=s.tracked_paths_evicted)
         yield CounterMetricFamily("ckptwatch_journal_errors",
-                                  "Journal writes that failed.", value=s.journal_errors)
+                                  "Journal writes, opens and rotations that failed.",
+                                  value=s.journal_errors)
+        yield CounterMetricFamily("ckptwatch_journal_records_lost",
+                                  "Journal records lost to those failures (each one).",
+                                  value=s.journal_records_lost)
         yield GaugeMetricFamily("ckptwatch_ingest_connections",
                                 "Instrumented processes connected to the ingest socket.",
                                 value=s.ingest_connections)

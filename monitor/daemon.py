@@ -120,8 +120,7 @@ class Exporters:
                     finding = self.sizes.finished(item)
                     if finding is not None:
                         self.publish_finding(finding)
-            if not self.journal.write(item):     # never raises; a lost line is counted
-                self.state.journal_error()
+            self.journal.write(item)     # never raises; the journal counts lost lines
             if isinstance(item, Collision):
                 # The journal is buffered between ticks for throughput (one flush per tick
                 # instead of one per write); a collision is rare and worth a flush of its own.
@@ -130,8 +129,7 @@ class Exporters:
     def publish_finding(self, finding: dict) -> None:
         """A size fluctuation or torn read seen by the filesystem source."""
         self.state.finding(finding["type"], finding.get("job") or "")
-        if not self.journal.write(finding):
-            self.state.journal_error()
+        self.journal.write(finding)
         who = ", ".join(f"{'rank%s' % w['rank'] if w.get('rank') is not None else 'pid'}"
                         f"({w['pid']})" for w in finding.get("writers", []))
         if finding["type"] == "size_fluctuation" and finding.get("rule"):
@@ -152,8 +150,7 @@ class Exporters:
             self.state.verification(v.result, v.cause)
             if v.result in ("corrupt", "unverifiable"):
                 # ok and gone are counted only: one journal line per save would double it.
-                if not self.journal.write(v.to_record()):
-                    self.state.journal_error()
+                self.journal.write(v.to_record())
             if v.result == "corrupt":
                 by = f" (written by collision {v.collision_id})" if v.collision_id else ""
                 log.warning("corrupt checkpoint %s: %s [%s]%s", v.path, v.reason, v.cause, by)
@@ -292,6 +289,8 @@ class Pipeline:
         if self.fs is not None:
             self.state.set_fs_stats(self.fs.stats())
         self.outputs.journal.flush()
+        self.state.set_journal_stats(self.outputs.journal.errors,
+                                     self.outputs.journal.records_lost)
 
     def drain(self, inbox: "Inbox") -> None:
         while batch := inbox.take(0):

@@ -133,11 +133,11 @@ def test_gauges_reflect_current_state_only(state):
     assert value(reg, "ckptwatch_active_writes", job="job-a") is None
     assert value(reg, "ckptwatch_active_writes", job="job-b") == 2
     state.set_detector_stats(tracked_paths=12, evicted_paths_total=4)
-    state.journal_error()
-    state.journal_error(2)
+    state.set_journal_stats(errors=3, records_lost=40)
     assert value(reg, "ckptwatch_tracked_paths") == 12
     assert value(reg, "ckptwatch_tracked_paths_evicted_total") == 4
     assert value(reg, "ckptwatch_journal_errors_total") == 3
+    assert value(reg, "ckptwatch_journal_records_lost_total") == 40
 
 
 def test_build_info_and_process_metrics(state):
