@@ -33,6 +33,7 @@ from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
 from prometheus_client.exposition import choose_encoder
 
 from ckptwatch.events import REJECT_REASONS
+from monitor.ingest import EVICT_REASONS, REFUSE_REASONS
 from monitor.verify.integrity import CAUSES as CORRUPT_CAUSES
 from monitor.detect.model import SOURCE_FS, SOURCE_HOOK, Collision, Write
 from monitor.verify.worker import RESULTS as VERIFY_RESULTS
@@ -74,6 +75,8 @@ class MetricsSnapshot:
     journal_errors: int
     ingest_connections: int
     journal_records_lost: int = 0
+    ingest_refused: Mapping[str, int] = field(default_factory=dict)   # reason -> connections
+    ingest_evicted: Mapping[str, int] = field(default_factory=dict)   # reason -> connections
     fluctuations: Mapping[str, int] = field(default_factory=dict)   # job -> size fluctuations
     torn_reads: Mapping[str, int] = field(default_factory=dict)     # job -> torn reads
     fs: Mapping = field(default_factory=dict)                      # FsSource.stats(), or {}
@@ -115,6 +118,8 @@ class MetricsState:
         self._journal_errors = 0
         self._journal_records_lost = 0
         self._ingest_connections = 0
+        self._ingest_refused: dict[str, int] = {r: 0 for r in REFUSE_REASONS}
+        self._ingest_evicted: dict[str, int] = {r: 0 for r in EVICT_REASONS}
         # Bounded label sets, present from the start (see _rejected above).
         self._fluctuations: dict[str, int] = {}
         self._torn_reads: dict[str, int] = {}
@@ -203,6 +208,13 @@ class MetricsState:
         with self._lock:
             self._ingest_connections = int(n)
 
+    def set_ingest_limits(self, refused: Mapping[str, int], evicted: Mapping[str, int]) -> None:
+        """The ingest server's totals by reason (IngestServer.refused / .evicted): new
+        connections refused at a per-peer cap, open ones closed to make room or stalled."""
+        with self._lock:
+            self._ingest_refused = dict(refused)
+            self._ingest_evicted = dict(evicted)
+
     # -- reading ---------------------------------------------------------------------------
 
     def snapshot(self) -> MetricsSnapshot:
@@ -231,6 +243,8 @@ class MetricsState:
                 tracked_paths_evicted=self._evicted_total,
                 journal_errors=self._journal_errors,
                 journal_records_lost=self._journal_records_lost,
+                ingest_refused=MappingProxyType(dict(self._ingest_refused)),
+                ingest_evicted=MappingProxyType(dict(self._ingest_evicted)),
                 ingest_connections=self._ingest_connections,
                 fluctuations=MappingProxyType(dict(self._fluctuations)),
                 torn_reads=MappingProxyType(dict(self._torn_reads)),
@@ -321,6 +335,15 @@ class CkptwatchCollector:
         yield GaugeMetricFamily("ckptwatch_ingest_connections",
                                 "Instrumented processes connected to the ingest socket.",
                                 value=s.ingest_connections)
+        yield _family(CounterMetricFamily, "ckptwatch_ingest_connections_refused",
+                      "New connections to the ingest socket refused because their process "
+                      "(pid_limit) or user (uid_limit) already held its share.",
+                      ["reason"], s.ingest_refused)
+        yield _family(CounterMetricFamily, "ckptwatch_ingest_connections_evicted",
+                      "Open ingest connections the agent closed: make_room (the agent was "
+                      "full; the oldest idle connection of the biggest holder) or "
+                      "stalled_frame (a frame left unfinished too long).",
+                      ["reason"], s.ingest_evicted)
 
         yield _family(CounterMetricFamily, "ckptwatch_size_fluctuations",
                       "Checkpoints that shrank while two or more processes had "

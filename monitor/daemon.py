@@ -286,6 +286,7 @@ class Pipeline:
         self.state.set_detector_stats(self.detector.tracked_paths,
                                       self.detector.evicted_paths_total)
         self.state.set_ingest_connections(ingest.connections)
+        self.state.set_ingest_limits(ingest.refused, ingest.evicted)
         if self.fs is not None:
             self.state.set_fs_stats(self.fs.stats())
         self.outputs.journal.flush()

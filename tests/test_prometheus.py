@@ -122,6 +122,10 @@ def test_ingest_counters_rejects_prepopulated(state):
     assert value(reg, "ckptwatch_events_rejected_total", reason="malformed") == 3
     assert value(reg, "ckptwatch_client_events_dropped_total") == 7
     assert value(reg, "ckptwatch_ingest_connections") == 3
+    state.set_ingest_limits({"pid_limit": 5, "uid_limit": 0}, {"make_room": 2})
+    assert value(reg, "ckptwatch_ingest_connections_refused_total", reason="pid_limit") == 5
+    assert value(reg, "ckptwatch_ingest_connections_refused_total", reason="uid_limit") == 0
+    assert value(reg, "ckptwatch_ingest_connections_evicted_total", reason="make_room") == 2
 
 
 def test_gauges_reflect_current_state_only(state):
