@@ -329,7 +329,8 @@ def run(config: Config, stop: threading.Event | None = None) -> int:
                       attribution=config.watch_attribution)
         pipeline.merger, pipeline.fs = merger, fs
     server = MetricsServer(config.listen_address, build_registry(state),
-                           health=health_check(ingest, heartbeat, fs))
+                           health=health_check(ingest, heartbeat, fs),
+                           on_dropped=state.http_connection_dropped)
     previous = _install_signal_handlers(stop)
     journal = None
     try:
