@@ -1,7 +1,6 @@
 """monitor.ingest under connection floods: per-peer caps, room for new peers, counted and
 rate-limited refusals, stalled partial frames. Real Unix sockets and real processes (other uids
 need root: the tests that use them are skipped otherwise)."""
-import json
 import logging
 import os
 import socket
@@ -56,7 +55,7 @@ def make_server(sockdir, no_thread_leak):
 
 
 _PEER = r'''
-import json, os, socket, sys, time
+import os, socket, sys, time
 from ckptwatch import events
 path, uid, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 if uid != os.getuid():

@@ -9,7 +9,6 @@ import urllib.request
 import pytest
 
 from exporters.prometheus import MetricsServer, MetricsState, build_registry
-from helpers import wait_for
 
 
 @pytest.fixture
