@@ -6,13 +6,16 @@ gets "ts", the wall time it was written.
 
 Failure policy: constructing a Journal on a path that cannot be opened raises JournalError
 (an OSError) so the agent can report a configuration error at start. After that, a failing
-write (disk full, permissions changed, file system gone) is counted in `errors` and never
-raised: losing a journal line must not stop detection or metrics.
+write (disk full, permissions changed, file system gone) is never raised: losing a journal line
+must not stop detection or metrics. Every lost line is counted (records_lost); the first
+failure of an outage and the recovery are logged, one line each. Lines are written whole: a
+write cut short by a full disk is truncated back to the last complete line.
 """
 from __future__ import annotations
 
 import glob
 import json
+import logging
 import os
 import re
 import time
@@ -26,9 +29,12 @@ _ENCODER = json.JSONEncoder(separators=(",", ":"), default=str)
 
 from monitor.detect.model import FINDING_VERIFICATION, Collision, Finding, Write
 
+log = logging.getLogger(__name__)
+
 SYSTEM_JOURNAL_PATH = "/var/lib/ckptwatch/journal.jsonl"
 DEFAULT_MAX_BYTES = 64 * 1024 * 1024
 DEFAULT_BACKUPS = 5
+_BUFFER_BYTES = 64 * 1024       # buffered lines are written once they reach this size
 
 
 class JournalError(OSError):
@@ -95,12 +101,17 @@ class Journal:
         self.max_bytes = max_bytes
         self.backups = backups
         self.buffered = buffered
-        self.errors = 0          # lines lost to write/rotation errors since construction
+        self.errors = 0          # failed flushes, opens and rotations since construction
         self.records = 0         # lines written
+        self.records_lost = 0    # lines lost to those failures, each one counted
         self.rotations = 0
         self._wall_clock = wall_clock
         self._fh = None
         self._size = 0
+        self._pending: list[bytes] = []     # encoded lines waiting for flush()
+        self._pending_bytes = 0
+        self._failing = False               # in an outage: its first failure was logged
+        self._outage_lost = 0
         try:
             os.makedirs(os.path.dirname(self.path), exist_ok=True)
             self._open("a")
@@ -123,30 +134,94 @@ class Journal:
                 self._size += 1
 
     def write(self, item) -> bool:
-        """Append one record; return False (and count it in `errors`) if it was lost.
+        """Append one record; return False if it was lost (counted in `records_lost`).
 
-        Raises TypeError only for an item that is not a Write, Collision or typed dict.
+        Buffered, the record waits for flush() (or for the buffer to fill) and True means
+        "queued": a later failed flush counts it lost then. Raises TypeError only for an item
+        that is not a Write, Collision or typed dict.
         """
         record = to_record(item)
         record["ts"] = self._wall_clock()
-        # default=str: one odd value (a path-like, a numpy scalar) must not lose the line.
-        line = _ENCODER.encode(record) + "\n"
-        size = len(line) if line.isascii() else len(line.encode("utf-8"))
+        line = _ENCODER.encode(record).encode("utf-8") + b"\n"
+        self._pending.append(line)
+        self._pending_bytes += len(line)
+        if self.buffered and self._pending_bytes < _BUFFER_BYTES:
+            return True
+        return self._write_pending() == 0
+
+    def flush(self) -> None:
+        """Write the buffered lines; a failure is counted and logged, never raised."""
+        if self._pending:
+            self._write_pending()
+
+    def _write_pending(self) -> int:
+        """Write every pending line, whole lines only, rotating on the way. Returns the
+        number of lines lost (counted, and logged on the first failure of an outage)."""
+        lines, self._pending, self._pending_bytes = self._pending, [], 0
+        done = 0
         try:
-            if self._fh is None:
-                self._open("a")     # a previous rotation or write failed: try again
-            if self._size > 0 and self._size + size > self.max_bytes:
-                self._rotate()
-            self._fh.write(line)
-            if not self.buffered:
-                self._fh.flush()
-        except (OSError, ValueError):
-            self.errors += 1
+            while done < len(lines):
+                if self._fh is None:
+                    self._open("a")     # a previous rotation or write failed: try again
+                if self._size > 0 and self._size + len(lines[done]) > self.max_bytes:
+                    self._rotate()
+                # As many lines as fit before the next rotation (at least one).
+                end, size = done + 1, len(lines[done])
+                while end < len(lines) and self._size + size + len(lines[end]) <= self.max_bytes:
+                    size += len(lines[end])
+                    end += 1
+                done += self._write_lines(lines[done:end])
+        except (OSError, ValueError) as exc:
             self._discard()
-            return False
-        self._size += size
-        self.records += 1
-        return True
+            lost = len(lines) - done - getattr(exc, "whole_lines", 0)
+            self._lost(lost, exc)
+            return lost
+        if self._failing:
+            self._failing = False
+            log.info("journal %s: writing again; %d records lost while it failed",
+                     self.path, self._outage_lost)
+        return 0
+
+    def _write_lines(self, lines: list[bytes]) -> int:
+        """os.write the lines to the end of the file. On an error after part of the data
+        went out (ENOSPC mid-write), cut the file back to the last whole line, so no torn line
+        is left, and raise with the whole lines that made it counted as written."""
+        data = b"".join(lines)
+        fd = self._fh.fileno()
+        start = os.fstat(fd).st_size     # O_APPEND writes here, whatever _size believes
+        view, written = memoryview(data), 0
+        try:
+            while written < len(data):
+                written += os.write(fd, view[written:])
+        except OSError as exc:
+            whole, kept = 0, 0
+            for line in lines:
+                if kept + len(line) > written:
+                    break
+                kept += len(line)
+                whole += 1
+            if written > kept:
+                # Shrinking frees space, so this works on a full disk. If it fails too, the
+                # half line stays and the next open ends it (see _open).
+                os.ftruncate(fd, start + kept)
+            self._size = start + kept
+            self.records += whole
+            exc.whole_lines = whole
+            raise
+        self._size = start + written
+        self.records += len(lines)
+        return len(lines)
+
+    def _lost(self, n: int, exc: BaseException) -> None:
+        self.errors += 1
+        self.records_lost += n
+        if self._failing:
+            self._outage_lost += n
+            return
+        self._failing, self._outage_lost = True, n
+        reason = getattr(exc, "strerror", None) or exc
+        log.warning("journal %s: cannot write (%s); records are lost and counted in "
+                    "ckptwatch_journal_records_lost_total until it recovers", self.path, reason)
 
     def _rotate(self) -> None:
         self._fh.close()
@@ -164,24 +239,15 @@ class Journal:
         self.rotations += 1
 
     def _discard(self) -> None:
-        # Drop the handle after an error: its buffer may hold a partial line, and reopening
-        # on the next write recovers from a deleted directory or a remounted file system.
+        # Drop the handle after an error: reopening on the next write recovers from a deleted
+        # directory or a remounted file system. Lines go out with os.write, so the handle's
+        # own buffer never holds any.
         fh, self._fh = self._fh, None
         if fh is not None:
             try:
                 fh.close()
             except (OSError, ValueError):
                 pass
-
-    def flush(self) -> None:
-        """Push buffered lines to the OS; errors are counted, not raised."""
-        if self._fh is None:
-            return
-        try:
-            self._fh.flush()
-        except (OSError, ValueError):
-            self.errors += 1
-            self._discard()
 
     def close(self) -> None:
         """Flush and close. Idempotent; a later write() reopens the file."""
@@ -250,16 +316,14 @@ def read_records(path: str, stats: ReadStats | None = None) -> Iterator[dict]:
 class JournalExporter:
     """The journal as an exporter (exporters.fanout.Exporter): one line per finished write,
     collision and finding; a verification only when it found something (corrupt or
-    unverifiable: an "ok" line per save would double the journal). `on_error` is called for
-    every line lost (the agent counts them in a metric)."""
+    unverifiable: an "ok" line per save would double the journal). The journal counts every
+    lost line itself (Journal.records_lost, read by the agent for the metrics)."""
 
-    def __init__(self, journal: Journal, on_error: Callable[[], None] = lambda: None):
+    def __init__(self, journal: Journal):
         self.journal = journal
-        self._on_error = on_error
 
     def _write(self, item) -> None:
-        if not self.journal.write(item):     # never raises; a lost line is counted
-            self._on_error()
+        self.journal.write(item)     # never raises; a lost line is counted by the journal
 
     def publish_write(self, write: Write) -> None:
         self._write(write)

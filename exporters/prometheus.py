@@ -21,6 +21,7 @@ import http.server
 import ipaddress
 import logging
 import socket
+import sys
 import threading
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -33,6 +34,7 @@ from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
 from prometheus_client.exposition import choose_encoder
 
 from ckptwatch.events import REJECT_REASONS
+from monitor.ingest import EVICT_REASONS, REFUSE_REASONS
 from monitor.verify.integrity import CAUSES as CORRUPT_CAUSES
 from monitor.detect.model import (FINDING_VERIFICATION, SOURCE_FS, SOURCE_HOOK, Collision,
                                   Finding, Write)
@@ -74,6 +76,10 @@ class MetricsSnapshot:
     tracked_paths_evicted: int
     journal_errors: int
     ingest_connections: int
+    journal_records_lost: int = 0
+    ingest_refused: Mapping[str, int] = field(default_factory=dict)   # reason -> connections
+    ingest_evicted: Mapping[str, int] = field(default_factory=dict)   # reason -> connections
+    http_dropped: Mapping[str, int] = field(default_factory=dict)     # reason -> connections
     fluctuations: Mapping[str, int] = field(default_factory=dict)   # job -> size fluctuations
     torn_reads: Mapping[str, int] = field(default_factory=dict)     # job -> torn reads
     fs: Mapping = field(default_factory=dict)                      # FsSource.stats(), or {}
@@ -113,7 +119,11 @@ class MetricsState:
         self._tracked_paths = 0
         self._evicted_total = 0
         self._journal_errors = 0
+        self._journal_records_lost = 0
         self._ingest_connections = 0
+        self._ingest_refused: dict[str, int] = {r: 0 for r in REFUSE_REASONS}
+        self._ingest_evicted: dict[str, int] = {r: 0 for r in EVICT_REASONS}
+        self._http_dropped: dict[str, int] = {r: 0 for r in HTTP_DROP_REASONS}
         # Bounded label sets, present from the start (see _rejected above).
         self._fluctuations: dict[str, int] = {}
         self._torn_reads: dict[str, int] = {}
@@ -173,9 +183,11 @@ class MetricsState:
             self._tracked_paths = int(tracked_paths)
             self._evicted_total = int(evicted_paths_total)
 
-    def journal_error(self, n: int = 1) -> None:
+    def set_journal_stats(self, errors: int, records_lost: int) -> None:
+        """The journal's own totals (exporters.journal.Journal.errors / .records_lost)."""
         with self._lock:
-            self._journal_errors += n
+            self._journal_errors = int(errors)
+            self._journal_records_lost = int(records_lost)
 
     def finding(self, kind: str, job: str) -> None:
         """A filesystem finding: kind "size_fluctuation" or "torn_read"."""
@@ -199,6 +211,18 @@ class MetricsState:
     def set_ingest_connections(self, n: int) -> None:
         with self._lock:
             self._ingest_connections = int(n)
+
+    def set_ingest_limits(self, refused: Mapping[str, int], evicted: Mapping[str, int]) -> None:
+        """The ingest server's totals by reason (IngestServer.refused / .evicted): new
+        connections refused at a per-peer cap, open ones closed to make room or stalled."""
+        with self._lock:
+            self._ingest_refused = dict(refused)
+            self._ingest_evicted = dict(evicted)
+
+    def http_connection_dropped(self, reason: str) -> None:
+        """A /metrics or /healthz connection closed early (HTTP_DROP_REASONS)."""
+        with self._lock:
+            self._http_dropped[reason] = self._http_dropped.get(reason, 0) + 1
 
     # -- reading ---------------------------------------------------------------------------
 
@@ -227,6 +251,10 @@ class MetricsState:
                 tracked_paths=self._tracked_paths,
                 tracked_paths_evicted=self._evicted_total,
                 journal_errors=self._journal_errors,
+                journal_records_lost=self._journal_records_lost,
+                ingest_refused=MappingProxyType(dict(self._ingest_refused)),
+                ingest_evicted=MappingProxyType(dict(self._ingest_evicted)),
+                http_dropped=MappingProxyType(dict(self._http_dropped)),
                 ingest_connections=self._ingest_connections,
                 fluctuations=MappingProxyType(dict(self._fluctuations)),
                 torn_reads=MappingProxyType(dict(self._torn_reads)),
@@ -309,10 +337,28 @@ class CkptwatchCollector:
                                   "reached (their collisions may be missed).",
                                   value=s.tracked_paths_evicted)
         yield CounterMetricFamily("ckptwatch_journal_errors",
-                                  "Journal writes that failed.", value=s.journal_errors)
+                                  "Journal writes, opens and rotations that failed.",
+                                  value=s.journal_errors)
+        yield CounterMetricFamily("ckptwatch_journal_records_lost",
+                                  "Journal records lost to those failures (each one).",
+                                  value=s.journal_records_lost)
         yield GaugeMetricFamily("ckptwatch_ingest_connections",
                                 "Instrumented processes connected to the ingest socket.",
                                 value=s.ingest_connections)
+        yield _family(CounterMetricFamily, "ckptwatch_ingest_connections_refused",
+                      "New connections to the ingest socket refused because their process "
+                      "(pid_limit) or user (uid_limit) already held its share.",
+                      ["reason"], s.ingest_refused)
+        yield _family(CounterMetricFamily, "ckptwatch_ingest_connections_evicted",
+                      "Open ingest connections the agent closed: make_room (the agent was "
+                      "full; the oldest idle connection of the biggest holder) or "
+                      "stalled_frame (a frame left unfinished too long).",
+                      ["reason"], s.ingest_evicted)
+        yield _family(CounterMetricFamily, "ckptwatch_http_connections_dropped",
+                      "Metrics-port connections closed early: timeout (idle or slow client), "
+                      "client_gone (hung up mid-answer), evicted (idle, to free a thread), "
+                      "refused (every thread busy answering).",
+                      ["reason"], s.http_dropped)
 
         yield _family(CounterMetricFamily, "ckptwatch_size_fluctuations",
                       "Checkpoints that shrank while two or more processes had "
@@ -453,10 +499,89 @@ def parse_listen_address(text: str) -> tuple[str, int]:
     return host, port
 
 
+HTTP_DROP_REASONS = ("timeout", "client_gone", "evicted", "refused")
+
+
 class _Server(http.server.ThreadingHTTPServer):
+    """One thread per connection, at most max_handlers of them (set by MetricsServer).
+
+    A thread costs ~8 MB of address space and a connection costs a client nothing, so idle
+    connections must not be able to take every thread: when all are busy, the oldest
+    connection that has not yet sent its request line is shut down to make room (its thread
+    then ends at once); only if every thread is answering a request is the newcomer closed.
+    The handler's socket timeout bounds how long any connection can hold a thread.
+    """
+
     daemon_threads = True
     allow_reuse_address = True
     dual_stack = False
+    max_handlers = 16
+    on_dropped: Callable[[str], None] = staticmethod(lambda reason: None)
+
+    def __init__(self, *args, **kwargs):
+        self._slots_lock = threading.Lock()
+        self._handlers = 0
+        self._waiting: dict = {}      # sockets without a request line yet, oldest first
+        super().__init__(*args, **kwargs)
+
+    def process_request(self, request, client_address):
+        evicted, refused = None, False
+        with self._slots_lock:
+            if self._handlers >= self.max_handlers:
+                evicted = next(iter(self._waiting), None)
+                if evicted is None:
+                    refused = True
+                else:
+                    del self._waiting[evicted]
+            if not refused:
+                self._handlers += 1
+                self._waiting[request] = None
+        if evicted is not None:
+            self.dropped("evicted")
+            try:
+                evicted.shutdown(socket.SHUT_RDWR)     # its blocked read returns, its thread ends
+            except OSError:
+                pass
+        if refused:
+            self.dropped("refused")
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except Exception:
+            self._release(request)
+            raise
+
+    def process_request_thread(self, request, client_address):
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._release(request)
+
+    def _release(self, request) -> None:
+        with self._slots_lock:
+            self._handlers -= 1
+            self._waiting.pop(request, None)
+
+    def request_started(self, request) -> None:
+        """The handler read a request line: this connection is no longer an idle one."""
+        with self._slots_lock:
+            self._waiting.pop(request, None)
+
+    def dropped(self, reason: str) -> None:
+        try:
+            self.on_dropped(reason)
+        except Exception:
+            log.exception("counting a dropped metrics connection failed")
+
+    def handle_error(self, request, client_address):
+        # socketserver would print a traceback to stderr, outside the log format.
+        exc = sys.exc_info()[1]
+        if isinstance(exc, (ConnectionError, TimeoutError)):
+            self.dropped("timeout" if isinstance(exc, TimeoutError) else "client_gone")
+            log.debug("metrics client %s: %s", client_address[0], exc)
+        else:
+            log.error("metrics request from %s failed", client_address[0], exc_info=True)
 
     def server_bind(self):
         if self.dual_stack:
@@ -490,9 +615,28 @@ def _bind_candidates(host: str, port: int) -> list[tuple[type, tuple[str, int]]]
 
 
 class _Handler(http.server.BaseHTTPRequestHandler):
-    # Set per server in MetricsServer.start().
+    # Set per server in MetricsServer.start(). timeout: the socket timeout of every read and
+    # write (StreamRequestHandler applies it), so an idle or slow client cannot hold a thread.
     registry: CollectorRegistry
     health: Callable[[], tuple[bool, str]]
+    timeout = 10.0
+
+    def handle(self):
+        try:
+            super().handle()
+        except ConnectionError as exc:      # BrokenPipe, reset: the client hung up mid-answer
+            self.server.dropped("client_gone")
+            log.debug("metrics client %s went away: %s", self.client_address[0], exc)
+
+    def parse_request(self):
+        self.server.request_started(self.request)
+        return super().parse_request()
+
+    def log_error(self, format, *args):  # noqa: A002 (signature from http.server)
+        # http.server reports a read or write that hit the socket timeout only through here.
+        if format.startswith("Request timed out"):
+            self.server.dropped("timeout")
+        self.log_message(format, *args)
 
     def do_GET(self):  # noqa: N802 (http.server's naming)
         route = urlsplit(self.path).path
@@ -545,7 +689,13 @@ class MetricsServer:
     """
 
     def __init__(self, address: str, registry: CollectorRegistry,
-                 health: Callable[[], tuple[bool, str]] = lambda: (True, "")):
+                 health: Callable[[], tuple[bool, str]] = lambda: (True, ""),
+                 timeout: float = 10.0, max_handlers: int = 16,
+                 on_dropped: Callable[[str], None] | None = None):
+        if timeout <= 0 or max_handlers < 1:
+            raise ValueError(f"need timeout > 0 and max_handlers >= 1, got {timeout}, "
+                             f"{max_handlers}")
+        self.timeout, self.max_handlers, self._on_dropped = timeout, max_handlers, on_dropped
         self.host, self._requested_port = parse_listen_address(address)
         self.address = address
         self._registry = registry
@@ -561,7 +711,8 @@ class MetricsServer:
             if self._server is not None:
                 return
             handler = type("Handler", (_Handler,),
-                           {"registry": self._registry, "health": staticmethod(self._health)})
+                           {"registry": self._registry, "health": staticmethod(self._health),
+                            "timeout": self.timeout})
             server, error = None, None
             for server_cls, bind in _bind_candidates(self.host, self._requested_port):
                 try:
@@ -573,6 +724,9 @@ class MetricsServer:
                         break  # the port is taken: another family would only hide that
             if server is None:
                 raise error or OSError(f"cannot listen on {self.address!r}")
+            server.max_handlers = self.max_handlers
+            if self._on_dropped is not None:
+                server.on_dropped = self._on_dropped
             self.port = server.server_address[1]
             thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.1},
                                       name=f"ckptwatch-metrics:{self.port}", daemon=True)

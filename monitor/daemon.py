@@ -175,6 +175,7 @@ class Agent:
         self.heartbeat = heartbeat if heartbeat is not None else [time.monotonic()]
         self.fs_inbox = fs_inbox if fs_inbox is not None else queue.SimpleQueue()
         self._stopping = False
+        self.journal: Journal | None = None
 
     @classmethod
     def build(cls, config: Config) -> "Agent":
@@ -203,17 +204,20 @@ class Agent:
                           config.watch_poll_interval, config.node, fs_inbox.put,
                           attribution=config.watch_attribution)
         server = MetricsServer(config.listen_address, build_registry(state),
-                               health=health_check(ingest, heartbeat, fs))
+                               health=health_check(ingest, heartbeat, fs),
+                               on_dropped=state.http_connection_dropped)
         try:
             journal = Journal(config.journal_path, config.journal_max_bytes,
                               config.journal_backups, buffered=True)
         except JournalError as exc:
             raise StartError(exc.strerror) from exc     # names the path and the reason
         exporters = Fanout([MetricsExporter(state),
-                            JournalExporter(journal, on_error=state.journal_error),
+                            JournalExporter(journal),
                             LogExporter()])
-        return cls(config, state, inbox, ingest, detector, Checks(config), sizes, exporters,
-                   server, merger, fs, heartbeat, fs_inbox)
+        agent = cls(config, state, inbox, ingest, detector, Checks(config), sizes, exporters,
+                    server, merger, fs, heartbeat, fs_inbox)
+        agent.journal = journal      # its loss counters are read each tick for the metrics
+        return agent
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -368,9 +372,12 @@ class Agent:
         self.state.set_detector_stats(self.detector.tracked_paths,
                                       self.detector.evicted_paths_total)
         self.state.set_ingest_connections(self.ingest.connections)
+        self.state.set_ingest_limits(self.ingest.refused, self.ingest.evicted)
         if self.fs is not None:
             self.state.set_fs_stats(self.fs.stats())
         self.exporters.flush()
+        if self.journal is not None:
+            self.state.set_journal_stats(self.journal.errors, self.journal.records_lost)
 
     def drain(self) -> None:
         """Hand on every event still queued (at shutdown)."""

@@ -34,9 +34,11 @@ import socket
 import stat
 import struct
 import threading
+import time
 from typing import Callable
 
 from ckptwatch import events
+from monitor.logthrottle import ThrottledWarning
 
 log = logging.getLogger("ckptwatch.ingest")
 
@@ -67,14 +69,21 @@ def namespace_pid(pid: int, proc_root: str = "/proc") -> int | None:
 
 
 class _Conn:
-    __slots__ = ("sock", "pid", "ns_pid", "reader")
+    __slots__ = ("sock", "pid", "uid", "ns_pid", "reader", "last_active", "partial_since")
 
-    def __init__(self, sock: socket.socket, pid: int):
+    def __init__(self, sock: socket.socket, pid: int, uid: int, now: float):
         self.sock = sock
         self.pid = pid
+        self.uid = uid
         # What the peer calls itself when it lives in a nested pid namespace (else == pid).
         self.ns_pid = namespace_pid(pid) if pid > 0 else None
         self.reader = events.FrameReader()
+        self.last_active = now               # monotonic time of the last bytes received
+        self.partial_since: float | None = None  # when the unfinished frame buffered began
+
+
+REFUSE_REASONS = ("pid_limit", "uid_limit")          # a new connection closed at once
+EVICT_REASONS = ("make_room", "stalled_frame")       # an open connection closed by the agent
 
 
 class IngestServer:
@@ -84,7 +93,12 @@ class IngestServer:
                  on_reject: Callable[[str], None], socket_mode: int = 0o660,
                  socket_group: int | str | None = None, max_connections: int = 1024,
                  on_events: Callable[[list], None] | None = None,
-                 backlog: Callable[[], int] | None = None, max_backlog: int = 200_000):
+                 backlog: Callable[[], int] | None = None, max_backlog: int = 200_000,
+                 max_per_pid: int = 16, max_per_uid: int = 256, frame_timeout: float = 30.0,
+                 log_interval: float = 60.0, clock: Callable[[], float] = time.monotonic):
+        if min(max_per_pid, max_per_uid, max_connections) < 1:
+            raise ValueError("connection limits must be >= 1, got "
+                             f"{max_per_pid}, {max_per_uid}, {max_connections}")
         self.path = path
         self._on_event = on_event
         self._on_events = on_events
@@ -94,6 +108,14 @@ class IngestServer:
         self._mode = socket_mode
         self._group = socket_group
         self._max_connections = max_connections
+        self.max_per_uid = min(max_per_uid, max_connections)
+        self.max_per_pid = min(max_per_pid, self.max_per_uid)
+        self._frame_timeout = frame_timeout
+        self._clock = clock
+        self._per_pid: dict[int, int] = {}
+        self._per_uid: dict[int, int] = {}
+        self._refusals = ThrottledWarning(log, "connections refused or evicted",
+                                          log_interval, clock)
         self._listener: socket.socket | None = None
         self._identity: tuple[int, int] | None = None   # (st_dev, st_ino) of our socket file
         self._selector: selectors.BaseSelector | None = None
@@ -103,7 +125,10 @@ class IngestServer:
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
         self.errors_total = 0          # unexpected errors, logged and survived
-        self.refused_total = 0         # connections closed because max_connections was reached
+        # New connections refused at a per-peer cap, and open ones the agent closed (see
+        # _accept and _sweep_stalled); exported as ckptwatch_ingest_connections_*_total.
+        self.refused: dict[str, int] = {reason: 0 for reason in REFUSE_REASONS}
+        self.evicted: dict[str, int] = {reason: 0 for reason in EVICT_REASONS}
 
     # --- lifecycle ---------------------------------------------------------------------------
 
@@ -231,12 +256,14 @@ class IngestServer:
     # --- server thread -----------------------------------------------------------------------
 
     def _serve(self) -> None:
+        select_timeout = min(1.0, self._frame_timeout / 2)
+        next_sweep = self._clock() + select_timeout
         while not self._stopping.is_set():
             if self._backlog is not None and self._backlog() > self._max_backlog:
                 self._stopping.wait(0.005)      # let the consumer catch up (see module doc)
                 continue
             try:
-                ready = self._selector.select(timeout=1.0)
+                ready = self._selector.select(timeout=select_timeout)
             except Exception:
                 self._unexpected("select failed")
                 continue
@@ -253,6 +280,14 @@ class IngestServer:
                     self._unexpected("connection handling failed")
                     if key.data is not None:
                         self._close(key.data)
+            now = self._clock()
+            if now >= next_sweep:
+                next_sweep = now + select_timeout
+                try:
+                    self._sweep_stalled(now)
+                    self._refusals.tick(now)
+                except Exception:
+                    self._unexpected("connection sweep failed")
 
     def _drain_wakeup(self) -> None:
         try:
@@ -269,22 +304,70 @@ class IngestServer:
             except OSError as exc:      # EMFILE and friends: log, keep serving the others
                 self._unexpected(f"accept failed: {exc}", exc_info=False)
                 return
-            if len(self._conns) >= self._max_connections:
-                self.refused_total += 1
-                log.warning("refusing connection: %d connections open", len(self._conns))
-                sock.close()
-                continue
             try:
-                pid, _uid, _gid = _PEERCRED.unpack(
+                pid, uid, _gid = _PEERCRED.unpack(
                     sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
                 sock.setblocking(False)
             except OSError as exc:      # the peer vanished already
                 log.debug("dropping connection without credentials: %s", exc)
                 sock.close()
                 continue
-            conn = _Conn(sock, pid)
+            reason = self._over_peer_cap(pid, uid)
+            if reason is not None:
+                self.refused[reason] += 1
+                self._refusals.occurred(
+                    reason, "refusing connection from pid %d uid %d: %s (%d open for the pid, "
+                    "%d for the uid)", pid, uid, reason, self._per_pid.get(pid, 0),
+                    self._per_uid.get(uid, 0))
+                sock.close()
+                continue
+            if len(self._conns) >= self._max_connections:
+                self._make_room()
+            conn = _Conn(sock, pid, uid, self._clock())
             self._conns[sock.fileno()] = conn
+            self._per_pid[pid] = self._per_pid.get(pid, 0) + 1
+            self._per_uid[uid] = self._per_uid.get(uid, 0) + 1
             self._selector.register(sock, selectors.EVENT_READ, conn)
+
+    def _over_peer_cap(self, pid: int, uid: int) -> str | None:
+        # A hook holds one connection per process; the caps leave the rest of the agent to
+        # everyone else (docs/decisions.md, "Connection caps").
+        if self._per_pid.get(pid, 0) >= self.max_per_pid:
+            return "pid_limit"
+        if self._per_uid.get(uid, 0) >= self.max_per_uid:
+            return "uid_limit"
+        return None
+
+    def _make_room(self) -> None:
+        """The agent is full: close the least recently active connection of the uid holding
+        the most, rather than refuse a newcomer. Only runs at the cap, O(connections)."""
+        top_uid = max(self._per_uid, key=self._per_uid.__getitem__)
+        victim = min((c for c in self._conns.values() if c.uid == top_uid),
+                     key=lambda c: (c.reader.pending(), c.last_active))
+        self.evicted["make_room"] += 1
+        self._refusals.occurred("make_room", "connection cap %d reached: closing the oldest "
+                                "idle connection of uid %d (pid %d), which holds %d",
+                                self._max_connections, top_uid, victim.pid,
+                                self._per_uid[top_uid])
+        if victim.reader.pending():
+            self._reject(events.REJECT_TRUNCATED)
+        self._close(victim)
+
+    def _sweep_stalled(self, now: float) -> None:
+        """Close connections whose unfinished frame is older than frame_timeout (a slowloris
+        holding a connection and a buffer). Idle connections without a partial frame are a
+        hook between saves and stay. Each one is read first: the agent may have paused
+        reading (back-pressure) while the rest of the frame waited in the socket."""
+        for conn in [c for c in self._conns.values() if c.partial_since is not None
+                     and now - c.partial_since > self._frame_timeout]:
+            self._read(conn)
+            if conn.sock.fileno() in self._conns and conn.partial_since is not None \
+                    and now - conn.partial_since > self._frame_timeout:
+                self.evicted["stalled_frame"] += 1
+                log.debug("closing connection of pid %d: a frame unfinished for %.0fs",
+                          conn.pid, now - conn.partial_since)
+                self._reject(events.REJECT_TRUNCATED)
+                self._close(conn)
 
     def _read(self, conn: _Conn) -> None:
         for _ in range(_READS_PER_TURN):
@@ -308,6 +391,11 @@ class IngestServer:
                 self._reject(exc.reason)
                 self._close(conn)
                 return
+            conn.last_active = now = self._clock()
+            if not conn.reader.pending():
+                conn.partial_since = None
+            elif payloads or conn.partial_since is None:
+                conn.partial_since = now
             self._deliver(conn, payloads)
             if len(data) < _CHUNK:
                 return
@@ -348,7 +436,11 @@ class IngestServer:
             self._unexpected("on_reject callback failed")
 
     def _close(self, conn: _Conn) -> None:
-        self._conns.pop(conn.sock.fileno(), None)
+        if self._conns.pop(conn.sock.fileno(), None) is conn:
+            for counts, key in ((self._per_pid, conn.pid), (self._per_uid, conn.uid)):
+                counts[key] -= 1
+                if not counts[key]:
+                    del counts[key]
         try:
             self._selector.unregister(conn.sock)
         except (KeyError, ValueError):

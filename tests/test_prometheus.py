@@ -122,6 +122,10 @@ def test_ingest_counters_rejects_prepopulated(state):
     assert value(reg, "ckptwatch_events_rejected_total", reason="malformed") == 3
     assert value(reg, "ckptwatch_client_events_dropped_total") == 7
     assert value(reg, "ckptwatch_ingest_connections") == 3
+    state.set_ingest_limits({"pid_limit": 5, "uid_limit": 0}, {"make_room": 2})
+    assert value(reg, "ckptwatch_ingest_connections_refused_total", reason="pid_limit") == 5
+    assert value(reg, "ckptwatch_ingest_connections_refused_total", reason="uid_limit") == 0
+    assert value(reg, "ckptwatch_ingest_connections_evicted_total", reason="make_room") == 2
 
 
 def test_gauges_reflect_current_state_only(state):
@@ -133,11 +137,11 @@ def test_gauges_reflect_current_state_only(state):
     assert value(reg, "ckptwatch_active_writes", job="job-a") is None
     assert value(reg, "ckptwatch_active_writes", job="job-b") == 2
     state.set_detector_stats(tracked_paths=12, evicted_paths_total=4)
-    state.journal_error()
-    state.journal_error(2)
+    state.set_journal_stats(errors=3, records_lost=40)
     assert value(reg, "ckptwatch_tracked_paths") == 12
     assert value(reg, "ckptwatch_tracked_paths_evicted_total") == 4
     assert value(reg, "ckptwatch_journal_errors_total") == 3
+    assert value(reg, "ckptwatch_journal_records_lost_total") == 40
 
 
 def test_build_info_and_process_metrics(state):

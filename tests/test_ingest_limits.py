@@ -1,0 +1,235 @@
+"""monitor.ingest under connection floods: per-peer caps, room for new peers, counted and
+rate-limited refusals, stalled partial frames. Real Unix sockets and real processes (other uids
+need root: the tests that use them are skipped otherwise)."""
+import logging
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from ckptwatch import events
+from helpers import subprocess_env, wait_for
+from monitor.ingest import IngestServer
+
+NOBODY, NOGROUP = 65534, 65533
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run peers as other uids")
+
+
+def start_event(pid, seq=1):
+    return {"v": 1, "type": "start", "node": "n1", "pid": pid, "seq": seq, "rank": 0,
+            "path": "/ckpt/last.pt", "site": "train.py:10", "func": "save",
+            "wall": time.time(), "mono": time.monotonic()}
+
+
+class Recorder:
+    def __init__(self):
+        self.events, self.rejects = [], []
+
+    def on_event(self, event):
+        self.events.append(event)
+
+    def on_reject(self, reason):
+        self.rejects.append(reason)
+
+
+@pytest.fixture
+def make_server(sockdir, no_thread_leak):
+    servers = []
+
+    def make(**limits):
+        rec = Recorder()
+        srv = IngestServer(os.path.join(sockdir, "agent.sock"), rec.on_event, rec.on_reject,
+                           **limits)
+        os.chmod(sockdir, 0o755)         # peers running as other uids must reach the socket
+        srv.start()
+        os.chmod(srv.path, 0o666)
+        srv.rec = rec
+        servers.append(srv)
+        return srv
+    yield make
+    for srv in servers:
+        srv.stop()
+
+
+_PEER = r'''
+import os, socket, sys, time
+from ckptwatch import events
+path, uid, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+if uid != os.getuid():
+    os.setgid(uid); os.setuid(uid)
+socks = []
+for _ in range(n):
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.connect(path)
+    socks.append(s)
+print("ready", flush=True)
+for line in sys.stdin:          # "send": one start event on the newest connection
+    ev = {"v": 1, "type": "start", "node": "n1", "pid": os.getpid(), "seq": 1, "rank": 0,
+          "path": "/ckpt/peer.pt", "site": "train.py:1", "func": "save",
+          "wall": time.time(), "mono": time.monotonic()}
+    try:
+        socks[-1].sendall(events.encode(ev))
+        print("sent", flush=True)
+    except OSError as exc:
+        print(f"error {exc}", flush=True)
+'''
+
+
+class Peer:
+    """Another process, as `uid`, holding `n` connections to the agent."""
+
+    def __init__(self, path, uid, n):
+        self.proc = subprocess.Popen([sys.executable, "-c", _PEER, path, str(uid), str(n)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                     env=subprocess_env())
+        assert self.proc.stdout.readline().strip() == "ready"
+
+    def send(self):
+        self.proc.stdin.write("send\n")
+        self.proc.stdin.flush()
+        return self.proc.stdout.readline().strip()
+
+    def close(self):
+        self.proc.stdin.close()
+        self.proc.wait(10)
+        self.proc.stdout.close()
+
+
+@pytest.fixture
+def peers():
+    started = []
+
+    def spawn(path, uid, n):
+        peer = Peer(path, uid, n)
+        started.append(peer)
+        return peer
+    yield spawn
+    for peer in started:
+        peer.close()
+
+
+def hold(path, n):
+    socks = []
+    for _ in range(n):
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.connect(path)
+        socks.append(s)
+    return socks
+
+
+def delivered_from(srv, pid):
+    return [e for e in srv.rec.events if e["pid"] == pid]
+
+
+def test_one_process_cannot_fill_the_connection_cap(make_server, peers):
+    srv = make_server(max_connections=64)
+    held = hold(srv.path, 300)       # one process, five times the cap
+    try:
+        # The agent accepts in order: the newcomer comes after all 300.
+        peer = peers(srv.path, os.getuid(), 1)
+        assert peer.send() == "sent"
+        wait_for(lambda: delivered_from(srv, peer.proc.pid), timeout=5,
+                 message="the newcomer's event")
+        assert srv.connections == srv.max_per_pid + 1
+        assert srv.refused == {"pid_limit": 300 - srv.max_per_pid, "uid_limit": 0}
+    finally:
+        for s in held:
+            s.close()
+
+
+@needs_root
+def test_one_uid_cannot_fill_the_connection_cap(make_server, peers):
+    srv = make_server(max_connections=64, max_per_pid=8, max_per_uid=24)
+    for _ in range(6):                   # six processes of one uid, 8 connections each
+        peers(srv.path, NOBODY, 8)
+    wait_for(lambda: srv.refused["uid_limit"] == 6 * 8 - 24, message=f"{srv.refused}")
+    assert srv.connections == 24
+    newcomer = peers(srv.path, os.getuid(), 1)
+    assert newcomer.send() == "sent"
+    wait_for(lambda: delivered_from(srv, newcomer.proc.pid))
+
+
+@needs_root
+def test_full_agent_evicts_the_biggest_holder_not_the_newcomer(make_server, peers):
+    srv = make_server(max_connections=20, max_per_pid=16, max_per_uid=16)
+    first = peers(srv.path, NOBODY, 16)               # the biggest holder
+    wait_for(lambda: srv.connections == 16)
+    mine = hold(srv.path, 4)                          # the agent is now full
+    try:
+        wait_for(lambda: srv.connections == 20)
+        newcomer = peers(srv.path, NOGROUP, 1)
+        assert newcomer.send() == "sent"
+        wait_for(lambda: delivered_from(srv, newcomer.proc.pid), message="newcomer's event")
+        assert srv.evicted["make_room"] == 1
+        assert srv.connections == 20
+        assert sum(srv.refused.values()) == 0
+        # the eviction hit the oldest connection of the biggest holder: the newest still works
+        assert first.send() == "sent"
+        wait_for(lambda: delivered_from(srv, first.proc.pid))
+        for s in mine:                                # and none of the smaller holder's
+            s.sendall(events.encode(start_event(os.getpid())))
+        wait_for(lambda: len(delivered_from(srv, os.getpid())) == 4)
+    finally:
+        for s in mine:
+            s.close()
+
+
+def test_refusals_log_one_line_then_a_rate_limited_summary(make_server, caplog):
+    caplog.set_level(logging.INFO, logger="ckptwatch.ingest")
+    srv = make_server(max_per_pid=4, log_interval=0.5)
+    held = hold(srv.path, 1000)
+    try:
+        wait_for(lambda: srv.refused["pid_limit"] == 996)
+        time.sleep(0.7)
+        held += hold(srv.path, 10)       # refusals after the interval bring the summary
+        wait_for(lambda: srv.refused["pid_limit"] == 1006)
+        time.sleep(0.2)
+        lines = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+        assert len(lines) <= 3, lines
+        assert "refusing" in lines[0] and "pid_limit" in lines[0]
+        assert any("suppressed" in line for line in lines[1:]), lines
+    finally:
+        for s in held:
+            s.close()
+
+
+def test_stalled_partial_frame_is_closed_idle_connection_is_not(make_server):
+    srv = make_server(frame_timeout=0.5)
+    stalled, idle = hold(srv.path, 2)
+    try:
+        frame = events.encode(start_event(os.getpid()))
+        stalled.sendall(frame[:3])           # a header never finished (slowloris)
+        stalled.settimeout(5)
+        assert stalled.recv(1) == b""        # the agent hung up
+        assert srv.evicted["stalled_frame"] == 1
+        assert events.REJECT_TRUNCATED in srv.rec.rejects
+        # an idle hook between saves sends nothing and keeps its connection
+        idle.sendall(frame)
+        wait_for(lambda: len(srv.rec.events) == 1)
+        assert srv.connections == 1
+    finally:
+        stalled.close()
+        idle.close()
+
+
+def test_real_agent_one_process_holding_1024_connections_cannot_blind_it(tmp_path):
+    # The issue's scenario end to end: one process opens 1,024 connections and keeps them;
+    # two real writers still get their collision reported, the refusals are a metric, and
+    # the log holds a line or two instead of one per refusal.
+    from agentproc import EventSender, start_agent
+    from test_agent import FAST, overlapping_writes
+    with start_agent(str(tmp_path), *FAST) as agent:
+        held = hold(agent.socket, 1024)
+        try:
+            overlapping_writes(agent, "/ckpt/blind.pt")
+            agent.wait_for_collision()
+            refused = agent.metric("ckptwatch_ingest_connections_refused_total",
+                                   reason="pid_limit")
+            assert refused == 1024 - 16
+            assert agent.log.count("refusing connection") == 1, agent.log[-2000:]
+        finally:
+            for s in held:
+                s.close()
