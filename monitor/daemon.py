@@ -25,8 +25,8 @@ from monitor.config import Config
 from monitor.detect.detector import Detector
 from monitor.detect.merge import SourceMerger
 from monitor.fs.source import FILE_CHANGED, FILE_CLOSED, FsSource
-from monitor.ingest import IngestError, IngestServer
-from monitor.detect.model import Collision, Write
+from monitor.ingest import SENDER, IngestError, IngestServer
+from monitor.detect.model import SOURCE_FS, Collision, Write
 from monitor.detect.sizes import SizeHistory
 from monitor.verify.worker import Verification, Verifier, VerifySchedule
 
@@ -69,18 +69,21 @@ class Checks:
     def stop(self) -> None:
         self.verifier.stop()
 
-    def write_started(self, path: str) -> None:
+    def write_started(self, path: str, sender=None) -> None:
+        """A write began: `sender` (monitor.sender.Sender) for a hook's, None for one the
+        agent's own watcher saw under a watched root (see VerifySchedule)."""
         if self.enabled:
-            self.schedule.write_started(path, self._clock())
+            self.schedule.write_started(path, self._clock(), sender)
 
     def write_finished(self, write: Write) -> None:
         if self.enabled and write.outcome == "ok":
-            self.schedule.write_finished(write.path, write.writer.job_label, self._clock())
+            self.schedule.write_finished(write.path, write.writer.job_label, self._clock(),
+                                         watched=write.source == SOURCE_FS)
 
     def file_closed(self, path: str) -> None:
         """The watcher saw a write to `path` finish (any writer, attributed or not)."""
         if self.enabled:
-            self.schedule.write_finished(path, "", self._clock())
+            self.schedule.write_finished(path, "", self._clock(), watched=True)
 
     def collided(self, c: Collision) -> None:
         if self.enabled:
@@ -90,8 +93,8 @@ class Checks:
         """Hand due paths to the worker; return the verifications it finished since."""
         if not self.enabled:
             return []
-        for path, job, collision_id in self.schedule.due(self._clock()):
-            self.verifier.submit(path, job, collision_id)
+        for path, job, collision_id, readers in self.schedule.due(self._clock()):
+            self.verifier.submit(path, job, collision_id, readers)
         return self.verifier.drain()
 
 
@@ -165,6 +168,8 @@ def health_check(ingest: IngestServer, heartbeat: list[float], fs: FsSource | No
     def health() -> tuple[bool, str]:
         if not ingest.alive:
             return False, "ingest thread is not running"
+        if not ingest.socket_intact():
+            return False, f"socket {ingest.path} was removed or replaced since the agent bound it"
         if fs is not None and not fs.alive:
             return False, "filesystem attribution thread is not running"
         if time.monotonic() - heartbeat[0] > STALL_SECONDS:
@@ -235,7 +240,7 @@ class Pipeline:
                 continue
             if kind == "start":
                 if checks is not None:
-                    checks.write_started(event["path"])
+                    checks.write_started(event["path"], event[SENDER])
                 if fs is not None:
                     fs.add_path(event["path"])
             if merger is not None:
