@@ -73,7 +73,7 @@ class Checks:
         """A write began: `sender` (monitor.sender.Sender) for a hook's, None for one the
         agent's own watcher saw under a watched root (see VerifySchedule)."""
         if self.enabled:
-            self.schedule.write_started(path, self._clock(), sender)
+            self.schedule.write_started(path, self._clock(), sender, watched=sender is None)
 
     def write_finished(self, write: Write) -> None:
         if self.enabled and write.outcome == "ok":

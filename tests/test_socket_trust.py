@@ -371,3 +371,80 @@ def test_journal_files_are_0640_or_stricter_whatever_the_umask(tmp_path):
     modes = {f: stat.S_IMODE(os.stat(f).st_mode) for f in files}
     assert all(m & 0o137 == 0 for m in modes.values()), {f: oct(m) for f, m in modes.items()}
     assert stat.S_IMODE(os.stat(tmp_path / "j").st_mode) & 0o027 == 0
+
+
+# --- the pieces: whose rights a due path is read with, and open_as ---------------------------
+
+from monitor.sender import Sender, open_as  # noqa: E402
+from monitor.verify.worker import MAX_SENDERS, VerifySchedule  # noqa: E402
+
+ALICE = Sender(NOBODY, NOBODY, frozenset({NOBODY}))
+
+
+def test_schedule_reads_with_the_senders_rights_unless_the_watcher_saw_the_write():
+    s = VerifySchedule(quiet=1.0)
+    s.write_started("/c/hook.pt", 1.0, ALICE)
+    s.write_finished("/c/hook.pt", "j", 1.0)
+    s.write_started("/c/fs.pt", 1.0, ALICE)
+    s.write_started("/c/fs.pt", 1.0, watched=True)
+    s.write_finished("/c/fs.pt", "", 1.0)
+    s.write_finished("/c/nobody.pt", "", 1.0)           # no start seen: nobody's rights
+    many = [Sender(1000 + i, 1000) for i in range(MAX_SENDERS + 3)]
+    for sender in many:
+        s.write_started("/c/many.pt", 1.0, sender)
+    s.write_finished("/c/many.pt", "", 1.0)
+    due = {p: readers for p, _, _, readers in s.due(5.0)}
+    assert due == {"/c/hook.pt": (ALICE,), "/c/fs.pt": None, "/c/nobody.pt": (),
+                   "/c/many.pt": tuple(many[-MAX_SENDERS:])}
+
+
+def _file(path, mode, uid=0, gid=0, data=b"x"):
+    with open(path, "wb") as f:
+        f.write(data)
+    os.chmod(path, mode)
+    os.chown(path, uid, gid)
+    return path
+
+
+def _can(path, sender=ALICE) -> bool:
+    try:
+        os.close(open_as(path, sender))
+        return True
+    except OSError:
+        return False
+
+
+def test_open_as_follows_the_kernels_rules_for_the_sender(base):
+    _file(os.path.join(base, "world"), 0o644)
+    _file(os.path.join(base, "root-only"), 0o600)
+    _file(os.path.join(base, "group"), 0o640, gid=NOBODY)
+    _file(os.path.join(base, "own"), 0o400, uid=NOBODY)
+    locked = os.path.join(base, "locked")
+    os.mkdir(locked, 0o700)
+    _file(os.path.join(locked, "world"), 0o644)
+    os.symlink("root-only", os.path.join(base, "to-secret"))
+    os.symlink(os.path.join(locked, "world"), os.path.join(base, "into-locked"))
+    os.symlink("../" + os.path.basename(base) + "/world", os.path.join(base, "round-trip"))
+    os.symlink("loop", os.path.join(base, "loop"))
+    os.mkfifo(os.path.join(base, "fifo"), 0o666)
+    expect = {"world": True, "root-only": False, "group": True, "own": True,
+              "locked/world": False, "to-secret": False, "into-locked": False,
+              "round-trip": True, "loop": False, "fifo": False, "missing": False}
+    got = {name: _can(os.path.join(base, name)) for name in expect}
+    assert got == expect
+    assert _can(os.path.join(base, "root-only"), Sender(0, 0, frozenset({0}), read_all=True))
+    assert not _can("relative/path")
+
+
+def test_open_as_refuses_a_file_with_an_acl_it_cannot_evaluate(base):
+    path = _file(os.path.join(base, "acl"), 0o644)
+    # An ACL whose owning-group entry is --- while the mode's group bits (the mask) say r--.
+    acl = struct.pack("<I", 2) + b"".join(struct.pack("<HHI", tag, perm, uid) for tag, perm, uid in
+                                          [(0x01, 6, 0xFFFFFFFF), (0x04, 0, 0xFFFFFFFF),
+                                           (0x10, 4, 0xFFFFFFFF), (0x20, 4, 0xFFFFFFFF)])
+    try:
+        os.setxattr(path, "system.posix_acl_access", acl)
+    except OSError as exc:
+        pytest.skip(f"no POSIX ACLs here: {exc}")
+    assert not _can(path, Sender(NOBODY, 0, frozenset({0})))
+    assert _can(path, Sender(0, 0, frozenset({0})))     # the owner's entry is exact

@@ -109,13 +109,14 @@ class VerifySchedule:
         if len(self._due) > self.max_paths:
             self._due.pop(next(iter(self._due)))
 
-    def write_started(self, path: str, now: float, sender=None) -> None:
+    def write_started(self, path: str, now: float, sender=None, watched: bool = False) -> None:
         """A new write on `path`: a due path is not quiet any more, wait for its end.
-        `sender`: the hook's Sender, or None when the agent's watcher saw the write."""
+        `sender`: the hook's Sender; watched: the agent's own watcher saw the write."""
         entry = self._due.get(path)
         if entry is not None:
             entry.at = float("inf")
-        self._note(path, sender)
+        if watched or sender is not None:
+            self._note(path, None if watched else sender)
 
     def _note(self, path: str, sender) -> None:
         known = self._senders.pop(path, ())
