@@ -30,6 +30,7 @@ import atexit
 import collections
 import os
 import socket
+import struct
 import threading
 import time
 import weakref
@@ -45,6 +46,7 @@ BACKOFF_MIN = 0.05
 BACKOFF_MAX = 1.0
 IDLE_WAIT = 5.0               # periodic wake-up; a lost wake-up costs at most this long
 LINGER = 0.02                 # after a wake-up, collect events this long before sending
+_PEERCRED = struct.Struct("3i")   # struct ucred: pid, uid, gid
 
 _live: "weakref.WeakSet[Emitter]" = weakref.WeakSet()
 
@@ -57,10 +59,25 @@ def _flush_timeout_from_env(default: float) -> float:
     return value if value >= 0 else default
 
 
-class Emitter:
-    """Bounded, non-blocking event sender to the agent's Unix socket."""
+def _check_peer(sock: socket.socket) -> None:
+    """The process listening on a default socket must run as us or as root: a file that
+    passed the ownership checks can still be served by another user's process (a listener
+    bound elsewhere, or a socket whose owner was changed). Once per connection."""
+    _pid, uid, _gid = _PEERCRED.unpack(
+        sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
+    if uid not in (0, os.getuid()):
+        raise OSError(f"agent socket served by uid {uid}")
 
-    def __init__(self, socket_path: str, max_queue: int = 8192, flush_timeout: float = 0.5):
+
+class Emitter:
+    """Bounded, non-blocking event sender to the agent's Unix socket.
+
+    socket_path: an explicit socket (CKPTWATCH_SOCKET), used as given; None: look for the
+    agent at every connect attempt among ckptwatch.paths' default sockets, using only one
+    that passes the ownership checks there and whose listener runs as us or as root.
+    """
+
+    def __init__(self, socket_path: str | None, max_queue: int = 8192, flush_timeout: float = 0.5):
         self.socket_path = socket_path
         self.max_queue = max_queue
         self.flush_timeout = flush_timeout
@@ -253,7 +270,12 @@ class Emitter:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.settimeout(SEND_TIMEOUT)
         try:
-            sock.connect(self.socket_path)
+            path = self.socket_path or paths.find_socket()
+            if path is None:
+                raise OSError("no trusted agent socket")
+            sock.connect(path)
+            if self.socket_path is None:
+                _check_peer(sock)
         except OSError:
             sock.close()
             self._unreachable = True
@@ -300,13 +322,14 @@ _singleton_lock = threading.RLock()
 
 
 def get_emitter() -> Emitter:
-    """The process's emitter for ckptwatch.paths.socket_path() (created on first use)."""
+    """The process's emitter: to CKPTWATCH_SOCKET, else to the first trusted default socket
+    (ckptwatch.paths), looked up again at each connect. Created on first use."""
     global _singleton
     emitter = _singleton
     if emitter is None:
         with _singleton_lock:
             if _singleton is None:
-                _singleton = Emitter(paths.socket_path(),
+                _singleton = Emitter(os.environ.get(paths.SOCKET_ENV) or None,
                                      flush_timeout=_flush_timeout_from_env(0.5))
             emitter = _singleton
     return emitter

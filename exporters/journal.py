@@ -4,6 +4,11 @@ Written by the agent's core loop (one thread), read by `ckptwatch report`. Recor
 by monitor/detect/model.py (to_record) so the writer and the reader never drift apart; each line also
 gets "ts", the wall time it was written.
 
+Modes: the journal names paths, jobs and pids of every user on the node, so its files are
+created 0640 (an existing file with wider permissions is narrowed to 0640 when opened) and a
+directory it creates is 0750, whatever the umask. It never holds file contents: records carry
+sizes, formats and verdict causes (see monitor/verify/worker.py).
+
 Failure policy: constructing a Journal on a path that cannot be opened raises JournalError
 (an OSError) so the agent can report a configuration error at start. After that, a failing
 write (disk full, permissions changed, file system gone) is never raised: losing a journal line
@@ -18,6 +23,7 @@ import json
 import logging
 import os
 import re
+import stat
 import time
 from dataclasses import dataclass
 from typing import Callable, Iterator
@@ -35,6 +41,8 @@ SYSTEM_JOURNAL_PATH = "/var/lib/ckptwatch/journal.jsonl"
 DEFAULT_MAX_BYTES = 64 * 1024 * 1024
 DEFAULT_BACKUPS = 5
 _BUFFER_BYTES = 64 * 1024       # buffered lines are written once they reach this size
+FILE_MODE = 0o640
+DIR_MODE = 0o750
 
 
 class JournalError(OSError):
@@ -113,7 +121,7 @@ class Journal:
         self._failing = False               # in an outage: its first failure was logged
         self._outage_lost = 0
         try:
-            os.makedirs(os.path.dirname(self.path), exist_ok=True)
+            os.makedirs(os.path.dirname(self.path), mode=DIR_MODE, exist_ok=True)
             self._open("a")
         except OSError as exc:
             raise JournalError(exc.errno, f"cannot open journal {self.path}: "
@@ -122,7 +130,17 @@ class Journal:
     def _open(self, mode: str) -> None:
         if os.path.isdir(self.path):
             raise IsADirectoryError(21, "is a directory")
-        self._fh = open(self.path, mode, encoding="utf-8")
+        flags = os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | \
+            (os.O_APPEND if mode == "a" else os.O_TRUNC)
+        fd = os.open(self.path, flags, FILE_MODE)     # the umask can only narrow it
+        try:
+            st = os.fstat(fd)
+            if st.st_mode & 0o7137 and st.st_uid == os.geteuid():
+                os.fchmod(fd, stat.S_IMODE(st.st_mode) & FILE_MODE)
+            self._fh = open(fd, mode, encoding="utf-8")
+        except BaseException:
+            os.close(fd)
+            raise
         self._size = os.fstat(self._fh.fileno()).st_size
         if mode == "a" and self._size > 0:
             # A crash or a failed write may have left half a line: end it, so the next

@@ -28,10 +28,10 @@ from monitor import logformat
 from monitor.config import Config
 from monitor.detect.detector import Detector
 from monitor.detect.merge import SourceMerger
-from monitor.detect.model import Collision, Finding, Write
+from monitor.detect.model import SOURCE_FS, Collision, Finding, Write
 from monitor.detect.sizes import SizeHistory
 from monitor.fs.source import FILE_CHANGED, FILE_CLOSED, FileNotice, FsSource
-from monitor.ingest import IngestError, IngestServer
+from monitor.ingest import SENDER, IngestError, IngestServer
 from monitor.verify.worker import Verification, Verifier, VerifySchedule
 
 log = logging.getLogger("ckptwatch.agent")
@@ -72,18 +72,22 @@ class Checks:
     def stop(self) -> None:
         self.verifier.stop()
 
-    def write_started(self, path: str) -> None:
+    def write_started(self, path: str, sender=None, watched: bool = False) -> None:
+        """A write began: reported by a hook whose connection's rights are `sender`
+        (monitor.sender.Sender; None: nobody's, so it is not read on its behalf), or seen by
+        the agent's own watcher under a watched root (`watched`; see VerifySchedule)."""
         if self.enabled:
-            self.schedule.write_started(path, self._clock())
+            self.schedule.write_started(path, self._clock(), sender, watched=watched)
 
     def write_finished(self, write: Write) -> None:
         if self.enabled and write.outcome == "ok":
-            self.schedule.write_finished(write.path, write.writer.job_label, self._clock())
+            self.schedule.write_finished(write.path, write.writer.job_label, self._clock(),
+                                         watched=write.source == SOURCE_FS)
 
     def file_closed(self, path: str) -> None:
         """The watcher saw a write to `path` finish (any writer, attributed or not)."""
         if self.enabled:
-            self.schedule.write_finished(path, "", self._clock())
+            self.schedule.write_finished(path, "", self._clock(), watched=True)
 
     def collided(self, c: Collision) -> None:
         if self.enabled:
@@ -93,8 +97,8 @@ class Checks:
         """Hand due paths to the worker; return the verifications it finished since."""
         if not self.enabled:
             return []
-        for path, job, collision_id in self.schedule.due(self._clock()):
-            self.verifier.submit(path, job, collision_id)
+        for path, job, collision_id, readers in self.schedule.due(self._clock()):
+            self.verifier.submit(path, job, collision_id, readers)
         return self.verifier.drain()
 
 
@@ -103,6 +107,8 @@ def health_check(ingest: IngestServer, heartbeat: list[float], fs: FsSource | No
     def health() -> tuple[bool, str]:
         if not ingest.alive:
             return False, "ingest thread is not running"
+        if not ingest.socket_intact():
+            return False, f"socket {ingest.path} was removed or replaced since the agent bound it"
         if fs is not None and not fs.alive:
             return False, "filesystem attribution thread is not running"
         if time.monotonic() - heartbeat[0] > STALL_SECONDS:
@@ -317,7 +323,7 @@ class Agent:
                 continue
             if kind == "start":
                 if not self._stopping:
-                    self.checks.write_started(event["path"])
+                    self.checks.write_started(event["path"], event.get(SENDER))
                 if fs is not None:
                     fs.add_path(event["path"])
             if merger is not None:
@@ -353,10 +359,10 @@ class Agent:
                     if item.kind == FILE_CLOSED:
                         checks.file_closed(item.path)
                     elif item.kind == FILE_CHANGED:
-                        checks.write_started(item.path)
+                        checks.write_started(item.path, watched=True)
                 else:                                   # a start or end event
                     if item["type"] == "start" and checks is not None:
-                        checks.write_started(item["path"])
+                        checks.write_started(item["path"], watched=True)
                     self.merger.fs_event(item)
         forward, seen = self.merger.due()
         for event in forward:

@@ -37,8 +37,9 @@ import threading
 import time
 from typing import Callable
 
-from ckptwatch import events
+from ckptwatch import events, paths
 from monitor.logthrottle import ThrottledWarning
+from monitor.sender import Sender, peer_sender
 
 log = logging.getLogger("ckptwatch.ingest")
 
@@ -46,6 +47,9 @@ _PEERCRED = struct.Struct("3i")     # struct ucred: pid, uid, gid
 _CHUNK = 256 * 1024                 # bytes per recv: thousands of small events per syscall
 _READS_PER_TURN = 8                 # then serve other connections (fairness)
 _BACKLOG = 4096                     # the kernel caps it at net.core.somaxconn
+# Agent-side field set on every accepted event: the sender's credentials (monitor.sender), from
+# the kernel, never from the wire (a client's own field of this name is overwritten).
+SENDER = "agent_sender"
 
 
 class IngestError(RuntimeError):
@@ -69,14 +73,19 @@ def namespace_pid(pid: int, proc_root: str = "/proc") -> int | None:
 
 
 class _Conn:
-    __slots__ = ("sock", "pid", "uid", "ns_pid", "reader", "last_active", "partial_since")
+    __slots__ = ("sock", "pid", "uid", "ns_pid", "sender", "reader", "last_active",
+                 "partial_since")
 
-    def __init__(self, sock: socket.socket, pid: int, uid: int, now: float):
+    def __init__(self, sock: socket.socket, pid: int, uid: int, gid: int, now: float):
         self.sock = sock
         self.pid = pid
         self.uid = uid
-        # What the peer calls itself when it lives in a nested pid namespace (else == pid).
-        self.ns_pid = namespace_pid(pid) if pid > 0 else None
+        # What the peer may read (monitor.sender) and what it calls itself when it lives in a
+        # nested pid namespace (else == pid): one read of /proc/<pid>/status per connection.
+        if pid > 0:
+            self.sender, self.ns_pid = peer_sender(pid, uid, gid)
+        else:
+            self.sender, self.ns_pid = Sender(uid, gid), None
         self.reader = events.FrameReader()
         self.last_active = now               # monotonic time of the last bytes received
         self.partial_since: float | None = None  # when the unfinished frame buffered began
@@ -138,7 +147,7 @@ class IngestServer:
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             listener.bind(self.path)
-            st = os.stat(self.path)
+            st = os.lstat(self.path)
             self._identity = (st.st_dev, st.st_ino)
             os.chmod(self.path, self._mode)
             if self._group is not None:
@@ -186,6 +195,17 @@ class IngestServer:
         """Currently connected clients (for a gauge)."""
         return len(self._conns)
 
+    def socket_intact(self) -> bool:
+        """Is the file at our path still the socket we bound? False once it was removed or
+        replaced (by anyone who could write the directory): hooks would then send elsewhere."""
+        if self._identity is None:
+            return False
+        try:
+            st = os.lstat(self.path)
+        except OSError:
+            return False
+        return (st.st_dev, st.st_ino) == self._identity
+
     @property
     def alive(self) -> bool:
         """True while the server thread runs; /healthz reports unhealthy otherwise."""
@@ -194,12 +214,18 @@ class IngestServer:
     # --- socket path -------------------------------------------------------------------------
 
     def _prepare_path(self) -> None:
+        # Trust (ckptwatch.paths.directory_problem): a directory another user can change lets
+        # them replace our socket and receive every event; one they own, or a symbolic link,
+        # may have been planted before we started. Refuse, never repair someone else's.
         directory = os.path.dirname(self.path) or "."
-        try:
-            os.makedirs(directory, mode=0o755, exist_ok=True)
-        except OSError as exc:
-            raise IngestError(f"cannot create socket directory {directory}: "
-                              f"{exc.strerror or exc}") from exc
+        self._make_directory(directory)
+        uid = os.geteuid()
+        problem = paths.directory_problem(directory, uid)
+        if problem is not None:
+            raise IngestError(
+                f"refusing socket directory: {problem}. Use a directory owned by the agent's "
+                "user (or root) that no other user can write (0700; 0750, or 1770 with the "
+                "sticky bit, for a --ingest.socket-group), or choose another --ingest.socket")
         try:
             st = os.lstat(self.path)
         except FileNotFoundError:
@@ -207,6 +233,9 @@ class IngestServer:
         if not stat.S_ISSOCK(st.st_mode):
             raise IngestError(f"{self.path} exists and is not a socket; refusing to replace it "
                               "(remove it yourself or choose another --ingest.socket)")
+        if st.st_uid not in (uid, 0):
+            raise IngestError(f"{self.path} is owned by uid {st.st_uid}, not by the agent's "
+                              f"uid {uid} or root; refusing to use or remove it")
         probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         probe.settimeout(1.0)
         try:
@@ -224,6 +253,32 @@ class IngestServer:
         finally:
             probe.close()
         raise AgentAlreadyRunning(self._already_running_message())
+
+    def _make_directory(self, directory: str) -> None:
+        """Create the socket directory if missing: 0700, or 0750 and our group with
+        --ingest.socket-group, or 0755 when the socket mode lets others connect."""
+        try:
+            os.lstat(directory)
+            return
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            raise IngestError(f"cannot inspect socket directory {directory}: "
+                              f"{exc.strerror or exc}") from exc
+        mode = 0o750 if self._group is not None else 0o700
+        if self._mode & 0o006:
+            mode |= 0o005
+        try:
+            os.makedirs(os.path.dirname(directory) or ".", mode=0o755, exist_ok=True)
+            os.mkdir(directory, 0o700)     # then widened: never more open than meant, even
+            if self._group is not None:    # for a moment
+                os.chown(directory, -1, self._resolve_group(self._group))
+            os.chmod(directory, mode)
+        except FileExistsError:
+            pass                # created meanwhile by someone: the trust check decides
+        except OSError as exc:
+            raise IngestError(f"cannot create socket directory {directory}: "
+                              f"{exc.strerror or exc}") from exc
 
     def _already_running_message(self) -> str:
         return (f"another ckptwatch agent is already listening on {self.path}; stop it first "
@@ -305,7 +360,7 @@ class IngestServer:
                 self._unexpected(f"accept failed: {exc}", exc_info=False)
                 return
             try:
-                pid, uid, _gid = _PEERCRED.unpack(
+                pid, uid, gid = _PEERCRED.unpack(
                     sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
                 sock.setblocking(False)
             except OSError as exc:      # the peer vanished already
@@ -323,7 +378,7 @@ class IngestServer:
                 continue
             if len(self._conns) >= self._max_connections:
                 self._make_room()
-            conn = _Conn(sock, pid, uid, self._clock())
+            conn = _Conn(sock, pid, uid, gid, self._clock())
             self._conns[sock.fileno()] = conn
             self._per_pid[pid] = self._per_pid.get(pid, 0) + 1
             self._per_uid[uid] = self._per_uid.get(uid, 0) + 1
@@ -414,6 +469,7 @@ class IngestServer:
                 event["pid"] = conn.pid  # the node-unique, agent-visible pid (see module doc)
             if "source" in event:
                 del event["source"]     # the socket speaks for the hook only: no claiming "fs"
+            event[SENDER] = conn.sender
             good.append(event)
         if not good:
             return

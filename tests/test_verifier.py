@@ -10,7 +10,7 @@ def test_a_path_is_due_once_quiet_for_the_quiet_time():
     s = VerifySchedule(quiet=2.0)
     s.write_finished("/c/a.pt", "job", now=10.0)
     assert s.due(11.9) == []
-    assert s.due(12.0) == [("/c/a.pt", "job", "")]
+    assert s.due(12.0) == [("/c/a.pt", "job", "", ())]
     assert s.due(100.0) == []          # handed out once
 
 
@@ -20,7 +20,7 @@ def test_a_new_write_postpones_verification_until_it_ends():
     s.write_started("/c/a.pt", now=10.5)
     assert s.due(50.0) == []           # still being written: never verify a file in flight
     s.write_finished("/c/a.pt", "j", now=60.0)
-    assert s.due(60.9) == [] and s.due(61.0) == [("/c/a.pt", "j", "")]
+    assert s.due(60.9) == [] and s.due(61.0) == [("/c/a.pt", "j", "", ())]
 
 
 def test_a_collision_is_linked_to_the_verification_of_its_path():
@@ -28,7 +28,7 @@ def test_a_collision_is_linked_to_the_verification_of_its_path():
     for t in (10.0, 10.1, 10.2):
         s.write_finished("/c/last.pt", "j", now=t)
     s.collided("/c/last.pt", "abc123", now=11.0)
-    assert s.due(11.2) == [("/c/last.pt", "j", "abc123")]
+    assert s.due(11.2) == [("/c/last.pt", "j", "abc123", ())]
 
 
 def test_the_schedule_is_bounded():
@@ -36,7 +36,7 @@ def test_the_schedule_is_bounded():
     for i in range(10):
         s.write_finished(f"/c/{i}.pt", "", now=float(i))
     assert len(s) == 3
-    assert [p for p, _, _ in s.due(100.0)] == ["/c/7.pt", "/c/8.pt", "/c/9.pt"]
+    assert [p for p, _, _, _ in s.due(100.0)] == ["/c/7.pt", "/c/8.pt", "/c/9.pt"]
 
 
 @pytest.fixture

@@ -114,8 +114,11 @@ class _Unverifiable(Exception):
     """The file cannot be judged (unknown storage layout, oversized metadata...)."""
 
 
-def verify(path: str, deep: bool = False, max_bytes_per_second: float | None = None) -> Verdict:
+def verify(path: str, deep: bool = False, max_bytes_per_second: float | None = None,
+           name: str | None = None) -> Verdict:
     """Verify one checkpoint file. Never raises.
+
+    name: the file's real name when `path` is a /proc/self/fd link (the format rules use it).
 
     deep: also CRC32 every zip record against the central directory (reads the whole file).
     max_bytes_per_second: cap the deep read rate (sleeps between 1 MiB chunks), so a verifying
@@ -127,7 +130,8 @@ def verify(path: str, deep: bool = False, max_bytes_per_second: float | None = N
             return Verdict(UNVERIFIABLE, FMT_UNKNOWN, "not a regular file")
         with _open(path) as f:
             size = os.fstat(f.fileno()).st_size
-            return _verify_open(f, size, path, deep, _Throttle(max_bytes_per_second))
+            return _verify_open(f, size, name or path, deep,
+                                _Throttle(max_bytes_per_second))
     except OSError as e:
         return Verdict(UNVERIFIABLE, FMT_UNKNOWN, f"cannot read: {e.strerror or e}",
                        {"errno": e.errno})

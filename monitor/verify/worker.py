@@ -10,6 +10,13 @@ Two parts with one responsibility each:
   stay on the loop's thread. A full queue skips the path (counted): verification is a check
   on top, never a reason to fall behind.
 
+Whose rights: a path named by a hook's event is read only as far as that sender could read it
+itself (monitor.sender.open_as with the sender's credentials, taken by the ingest server from
+the kernel); a path the agent's own watcher saw under a watched root (the operator's choice) is
+read with the agent's rights. A path with neither is not verified (counted in denied_total).
+What is read never reaches the journal or the log as content: verdict reasons that would quote
+a file's first bytes or an HTML title are replaced by content-free ones (_content_free).
+
 Deep checks (CRC32 of every byte) run for files up to `deep_max_bytes`, at most `max_rate`
 bytes/s, so a node's disks stay the training job's.
 """
@@ -23,6 +30,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from monitor import sender as senders
 from monitor.verify import integrity
 
 log = logging.getLogger("ckptwatch.verifier")
@@ -55,6 +63,23 @@ class Verification:
                 "job": self.job, "collision_id": self.collision_id, "wall": self.wall}
 
 
+MAX_SENDERS = 4            # distinct senders remembered per due path; any one may grant a read
+
+
+def _content_free(verdict: integrity.Verdict) -> str:
+    """The verdict's reason without anything quoted from the file's bytes: the journal and
+    the log keep sizes, formats, causes and the checkpoint's structure (record names and
+    offsets), never the first bytes of an unknown file or the title of an HTML page."""
+    reason = verdict.reason
+    if verdict.format == integrity.FMT_UNKNOWN and reason.startswith("not a known"):
+        return "not a known checkpoint format"
+    if verdict.format == integrity.FMT_HTML:
+        return reason.split(" titled ", 1)[0]
+    if reason.startswith("verifier error: "):
+        return reason.split(":", 2)[0] + ":" + reason.split(":", 2)[1]   # the type, no message
+    return reason
+
+
 @dataclass
 class _Due:
     at: float
@@ -69,20 +94,40 @@ class VerifySchedule:
     quiet: float = 1.0
     max_paths: int = 10000
     _due: dict = field(default_factory=dict)
+    # path -> whose rights a read of it needs: a tuple of the senders (monitor.sender.Sender)
+    # whose hooks wrote there, or None once the agent's own watcher saw a write there. Bounded
+    # like _due (the oldest path is forgotten first: then nobody's, and it is not read).
+    _senders: OrderedDict = field(default_factory=OrderedDict)
 
-    def write_finished(self, path: str, job: str, now: float) -> None:
+    def write_finished(self, path: str, job: str, now: float, watched: bool = False) -> None:
         entry = self._due.pop(path, None) or _Due(now, job)
         entry.at = now + self.quiet
         entry.job = job or entry.job
+        if watched:
+            self._note(path, None)
         self._due[path] = entry           # re-inserted: dict order = due order
         if len(self._due) > self.max_paths:
             self._due.pop(next(iter(self._due)))
 
-    def write_started(self, path: str, now: float) -> None:
-        """A new write on a due path: not quiet any more, wait for its end."""
+    def write_started(self, path: str, now: float, sender=None, watched: bool = False) -> None:
+        """A new write on `path`: a due path is not quiet any more, wait for its end.
+        `sender`: the hook's Sender; watched: the agent's own watcher saw the write."""
         entry = self._due.get(path)
         if entry is not None:
             entry.at = float("inf")
+        if watched or sender is not None:
+            self._note(path, None if watched else sender)
+
+    def _note(self, path: str, sender) -> None:
+        known = self._senders.pop(path, ())
+        if known is not None:
+            if sender is None:
+                known = None
+            elif sender not in known:
+                known = (known + (sender,))[-MAX_SENDERS:]
+        self._senders[path] = known
+        if len(self._senders) > self.max_paths:
+            self._senders.popitem(last=False)
 
     def collided(self, path: str, collision_id: str, now: float) -> None:
         entry = self._due.get(path)
@@ -90,11 +135,17 @@ class VerifySchedule:
             entry = self._due[path] = _Due(now + self.quiet)
         entry.collision_id = collision_id
 
-    def due(self, now: float) -> list[tuple[str, str, str]]:
-        """(path, job, collision_id) of every path quiet since `quiet` seconds; removed."""
-        ready = [(p, e.job, e.collision_id) for p, e in self._due.items() if e.at <= now]
-        for path, _, _ in ready:
+    def due(self, now: float) -> list[tuple[str, str, str, tuple | None]]:
+        """(path, job, collision_id, readers) of every path quiet since `quiet` seconds;
+        removed. readers: None to read with the agent's rights (watched), else the senders
+        whose rights the read must fit (empty: nobody's, do not read)."""
+        ready = []
+        for p, e in self._due.items():
+            if e.at <= now:
+                ready.append((p, e.job, e.collision_id, self._senders.get(p, ())))
+        for path, _, _, _ in ready:
             del self._due[path]
+            self._senders.pop(path, None)
         return ready
 
     def __len__(self) -> int:
@@ -117,6 +168,7 @@ class Verifier:
         # reported) twice when several signals say one file is finished (polling, hook+fs).
         self._verified: OrderedDict = OrderedDict()
         self.unchanged_total = 0
+        self.denied_total = 0             # paths not read: no sender could read them itself
 
     def start(self) -> None:
         if self._thread is None:
@@ -137,9 +189,10 @@ class Verifier:
         self._thread.join(timeout)
         self._thread = None
 
-    def submit(self, path: str, job: str = "", collision_id: str = "") -> bool:
+    def submit(self, path: str, job: str = "", collision_id: str = "",
+               readers: tuple | None = None) -> bool:
         try:
-            self._inbox.put_nowait((path, job, collision_id))
+            self._inbox.put_nowait((path, job, collision_id, readers))
             return True
         except queue.Full:
             self.skipped_total += 1
@@ -153,12 +206,38 @@ class Verifier:
             except queue.Empty:
                 return out
 
-    def verify(self, path: str, job: str = "", collision_id: str = "") -> Verification | None:
+    def verify(self, path: str, job: str = "", collision_id: str = "",
+               readers: tuple | None = None) -> Verification | None:
         """Verify one file now (the worker's step; also usable directly). None when the file
-        is unchanged since it was last verified."""
+        is unchanged since it was last verified, or when `readers` is a tuple of senders none
+        of whom could read it (see module doc); readers=None reads with the agent's rights."""
+        if readers is None:
+            return self._verify(path, path, job, collision_id)
+        fd = None
+        for sender in readers:
+            try:
+                fd = senders.open_as(path, sender)
+                break
+            except FileNotFoundError:
+                return Verification(path, RESULT_GONE, job=job, collision_id=collision_id,
+                                    wall=self._wall())
+            except OSError as exc:
+                log.debug("not verifying %s for uid %s: %s", path, sender.uid, exc)
+        if fd is None:
+            self.denied_total += 1
+            return None
+        try:
+            # The descriptor checked above, reopened by /proc: the very file the sender could
+            # read, whatever the name points to by now.
+            return self._verify(f"/proc/self/fd/{fd}", path, job, collision_id)
+        finally:
+            os.close(fd)
+
+    def _verify(self, source: str, path: str, job: str, collision_id: str
+                ) -> Verification | None:
         started = time.monotonic()
         try:
-            st = os.stat(path)
+            st = os.stat(source)
         except FileNotFoundError:
             return Verification(path, RESULT_GONE, job=job, collision_id=collision_id,
                                 wall=self._wall())
@@ -175,12 +254,14 @@ class Verifier:
             if len(self._verified) > MAX_REMEMBERED:
                 self._verified.popitem(last=False)
         deep = size is not None and size <= self.deep_max_bytes
-        verdict = integrity.verify(path, deep=deep, max_bytes_per_second=self.max_rate)
+        verdict = integrity.verify(source, deep=deep, max_bytes_per_second=self.max_rate,
+                                   name=path)
         cause = ""
         if verdict.status == integrity.CORRUPT:
             cause = verdict.details.get("cause") or integrity.corrupt_cause(verdict.reason)
-        return Verification(path, verdict.status, verdict.format, verdict.reason, cause, deep,
-                            size, time.monotonic() - started, job, collision_id, self._wall())
+        return Verification(path, verdict.status, verdict.format, _content_free(verdict),
+                            cause, deep, size, time.monotonic() - started, job, collision_id,
+                            self._wall())
 
     def _run(self) -> None:
         while True:
