@@ -306,7 +306,7 @@ def run(config: Config, stop: threading.Event | None = None) -> int:
     0 after a clean stop, 1 when the agent cannot start (socket or port in use, ...)."""
     logformat.configure(config.log_level, config.log_format)
     stop = stop or threading.Event()
-    state = MetricsState()
+    state = MetricsState(limits=config.label_limits())
     inbox = Inbox()
     ingest = IngestServer(config.socket, None, state.event_rejected, on_events=inbox.put,
                           backlog=inbox.backlog, max_backlog=MAX_BACKLOG,
