@@ -9,9 +9,10 @@ Metric names and labels are part of the stable contract (design.md, issue 2). No
 holds a file path: paths are unbounded and would explode the series count; they live in the
 journal and in `ckptwatch report` instead.
 
-Note on the `job` label: it is the *training* job id and clashes with Prometheus' own target
-label `job` (the scrape job name). Scrape configs must set `honor_labels: true` so the exported
-value wins; see deploy/prometheus/prometheus.yml.
+The training job's id is the label `training_job`, never `job`: Prometheus owns `job` (the
+scrape job's name), and exporting it would need `honor_labels: true`, which the Prometheus
+Operator may override. Label values that come from input (training_job, rank) are capped in
+number and length (exporters.labels, issue 8), so no input can grow /metrics or the agent.
 """
 from __future__ import annotations
 
@@ -19,10 +20,12 @@ import bisect
 import errno
 import http.server
 import ipaddress
+import gzip
 import logging
 import socket
 import sys
 import threading
+import time
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Callable, Mapping
@@ -34,6 +37,7 @@ from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
 from prometheus_client.exposition import choose_encoder
 
 from ckptwatch.events import REJECT_REASONS
+from exporters.labels import OVERFLOW, LabelLimits, LabelValues, clean
 from monitor.ingest import EVICT_REASONS, REFUSE_REASONS
 from monitor.verify.integrity import CAUSES as CORRUPT_CAUSES
 from monitor.detect.model import (FINDING_VERIFICATION, SOURCE_FS, SOURCE_HOOK, Collision,
@@ -42,6 +46,9 @@ from monitor.verify.worker import RESULTS as VERIFY_RESULTS
 from ckptwatch.version import __version__
 
 log = logging.getLogger(__name__)
+
+# Labels whose values come from input, capped by LabelLimits.
+INPUT_LABELS = ("training_job", "rank")
 
 # Checkpoint saves range from a tiny state dict on tmpfs (~1 ms) to a multi-GB model on network
 # storage (minutes); the buckets cover 1 ms .. 10 min with roughly 2-3x steps.
@@ -62,6 +69,7 @@ class Histogram:
 class MetricsSnapshot:
     """An immutable copy of MetricsState taken under its lock; what the collector reads."""
 
+    # "job" below is the training_job label value (exporters.labels bounds them).
     writes: Mapping[tuple[str, str], int]              # (job, rank) -> finished writes
     write_errors: Mapping[str, int]                    # job -> writes whose outcome was not ok
     write_bytes: Mapping[str, int]                     # job -> bytes
@@ -85,6 +93,9 @@ class MetricsSnapshot:
     fs: Mapping = field(default_factory=dict)                      # FsSource.stats(), or {}
     verifications: Mapping[str, int] = field(default_factory=dict)  # result -> files verified
     corrupt: Mapping[str, int] = field(default_factory=dict)        # cause -> corrupt files
+    label_values: Mapping[str, int] = field(default_factory=dict)   # label -> values held
+    label_values_overflowed: Mapping[str, int] = field(default_factory=dict)  # label -> n
+    jobs_expired: int = 0                                           # jobs idle past expiry
 
 
 def _format_bound(bound: float) -> str:
@@ -92,25 +103,54 @@ def _format_bound(bound: float) -> str:
     return repr(float(bound))
 
 
+class _JobSeries:
+    """Every per-job series of one training_job label value, so expiring a job is one delete."""
+
+    __slots__ = ("writes", "errors", "bytes", "duration_counts", "duration_sum", "collisions",
+                 "last_collision", "fluctuations", "torn_reads")
+
+    def __init__(self):
+        self.writes: dict[str, int] = {}                 # rank label value -> finished writes
+        self.errors = 0
+        self.bytes: int | None = None                    # None until a write reports bytes
+        self.duration_counts: list[int] | None = None    # per bucket (non-cumulative), +Inf
+        self.duration_sum = 0.0
+        self.collisions: dict[tuple[str, str, str], int] = {}   # (kind, scope, source) -> n
+        self.last_collision: float | None = None
+        self.fluctuations = 0
+        self.torn_reads = 0
+
+
 class MetricsState:
     """Thread-safe metric state, updated by the agent loop and the ingest thread.
 
     One lock guards everything: updates are a few dict operations, far cheaper than a scrape,
     and a single lock makes snapshot() consistent across metrics.
+
+    Label values that come from input (training_job, rank) are bounded by `limits`
+    (exporters.labels): at most limits.max_jobs jobs and limits.max_ranks (job, rank) pairs at
+    once, each cut to limits.max_value_length; what does not fit is exported as "__overflow__"
+    and counted. A job unused for limits.job_idle_expiry seconds (by `clock`, monotonic) loses
+    its series, which frees its place. So a scrape and the state cost O(limits), whatever the
+    input.
     """
 
-    def __init__(self, duration_buckets: tuple[float, ...] = DURATION_BUCKETS):
+    def __init__(self, duration_buckets: tuple[float, ...] = DURATION_BUCKETS,
+                 limits: LabelLimits = LabelLimits(),
+                 clock: Callable[[], float] = time.monotonic):
         self._lock = threading.Lock()
         self._bounds = tuple(sorted(float(b) for b in duration_buckets))
-        self._writes: dict[tuple[str, str], int] = {}
-        self._write_errors: dict[str, int] = {}
-        self._write_bytes: dict[str, int] = {}
-        # job -> [per-bucket (non-cumulative) counts..., +Inf count], sum
-        self._duration_counts: dict[str, list[int]] = {}
-        self._duration_sum: dict[str, float] = {}
+        self._limits = limits
+        self._clock = clock
+        self._job_values = LabelValues(limits.max_jobs, limits.job_idle_expiry)
+        # A job's ranks go with the job (one counter series dropping out of a running job
+        # would look like a reset), never on their own: idle_expiry 0.
+        self._rank_values = LabelValues(limits.max_ranks, 0)
+        self._jobs: dict[str, _JobSeries] = {}
         self._active: dict[str, int] = {}
-        self._collisions: dict[tuple[str, str, str], int] = {}
-        self._last_collision: dict[str, float] = {}
+        # Present from the start at 0, as _rejected below.
+        self._overflowed: dict[str, int] = {label: 0 for label in INPUT_LABELS}
+        self._jobs_expired = 0
         self._received = 0
         # Every reason exists from the start at 0, so rate() and alerts work before the
         # first rejection (a counter that appears at 1 is invisible to increase()).
@@ -125,11 +165,50 @@ class MetricsState:
         self._ingest_evicted: dict[str, int] = {r: 0 for r in EVICT_REASONS}
         self._http_dropped: dict[str, int] = {r: 0 for r in HTTP_DROP_REASONS}
         # Bounded label sets, present from the start (see _rejected above).
-        self._fluctuations: dict[str, int] = {}
-        self._torn_reads: dict[str, int] = {}
         self._fs: dict = {}
         self._verifications: dict[str, int] = {r: 0 for r in VERIFY_RESULTS}
         self._corrupt: dict[str, int] = {c: 0 for c in CORRUPT_CAUSES}
+
+    # -- bounded label values (call with the lock held) ------------------------------------
+
+    def _job_label(self, job: str | None, now: float, count: bool = True) -> str:
+        """The training_job label value for job: itself (cleaned) or OVERFLOW."""
+        value = clean(job or "", self._limits.max_value_length)
+        if self._job_values.admit(value, now):
+            return value
+        self._expire(now)                       # an idle job may free a place
+        if self._job_values.admit(value, now):
+            return value
+        if count:
+            self._overflowed["training_job"] += 1
+        return OVERFLOW
+
+    def _rank_label(self, job_value: str, rank: int | None, now: float) -> str:
+        if rank is None:
+            return ""
+        if job_value == OVERFLOW:
+            return OVERFLOW                     # ranks of jobs we do not hold are not held
+        value = clean(str(rank), self._limits.max_value_length)
+        if self._rank_values.admit((job_value, value), now):
+            return value
+        self._overflowed["rank"] += 1
+        return OVERFLOW
+
+    def _series(self, job_value: str) -> _JobSeries:
+        series = self._jobs.get(job_value)
+        if series is None:
+            series = self._jobs[job_value] = _JobSeries()
+        return series
+
+    def _expire(self, now: float) -> None:
+        """Drop the series (and rank places) of jobs unused for job_idle_expiry seconds."""
+        for job in self._job_values.expire(now):
+            series = self._jobs.pop(job, None)
+            if series is not None:
+                for rank in series.writes:
+                    self._rank_values.discard((job, rank))
+            self._active.pop(job, None)
+            self._jobs_expired += 1
 
     # -- updates -------------------------------------------------------------------------
 
@@ -148,35 +227,43 @@ class MetricsState:
 
     def write_finished(self, write: Write) -> None:
         """Count one finished write (any outcome) with its bytes and duration."""
-        job = write.writer.job_label
-        rank = "" if write.writer.rank is None else str(write.writer.rank)
         duration = write.duration
         with self._lock:
-            key = (job, rank)
-            self._writes[key] = self._writes.get(key, 0) + 1
+            now = self._clock()
+            job = self._job_label(write.writer.job_label, now)
+            rank = self._rank_label(job, write.writer.rank, now)
+            series = self._series(job)
+            series.writes[rank] = series.writes.get(rank, 0) + 1
             if write.outcome not in (None, "ok"):
-                self._write_errors[job] = self._write_errors.get(job, 0) + 1
+                series.errors += 1
             if write.bytes is not None and write.bytes >= 0:
-                self._write_bytes[job] = self._write_bytes.get(job, 0) + write.bytes
+                series.bytes = (series.bytes or 0) + write.bytes
             if duration is not None:
-                counts = self._duration_counts.get(job)
-                if counts is None:
-                    counts = self._duration_counts[job] = [0] * (len(self._bounds) + 1)
-                counts[bisect.bisect_left(self._bounds, duration)] += 1
-                self._duration_sum[job] = self._duration_sum.get(job, 0.0) + duration
+                if series.duration_counts is None:
+                    series.duration_counts = [0] * (len(self._bounds) + 1)
+                series.duration_counts[bisect.bisect_left(self._bounds, duration)] += 1
+                series.duration_sum += duration
 
     def collision(self, c: Collision) -> None:
-        job = c.job_label
         with self._lock:
-            key = (job, c.kind, c.scope, collision_source(c))
-            self._collisions[key] = self._collisions.get(key, 0) + 1
+            series = self._series(self._job_label(c.job_label, self._clock()))
+            key = (c.kind, c.scope, collision_source(c))
+            series.collisions[key] = series.collisions.get(key, 0) + 1
             when = c.detected_wall or max((w.end_wall or w.start_wall) for w in c.writes)
-            self._last_collision[job] = max(when, self._last_collision.get(job, 0.0))
+            series.last_collision = max(when, series.last_collision or 0.0)
 
     def set_active_writes(self, by_job: dict[str, int]) -> None:
-        """Replace the in-flight write counts; jobs absent from by_job drop out of the gauge."""
+        """Replace the in-flight write counts; jobs absent from by_job drop out of the gauge.
+        A job with writes in flight is in use, so it does not expire."""
         with self._lock:
-            self._active = {job: int(n) for job, n in by_job.items()}
+            now = self._clock()
+            active: dict[str, int] = {}
+            for job, n in by_job.items():
+                # Not counted as overflow: this runs every loop turn and would count the same
+                # jobs again and again; their writes count once they finish.
+                value = self._job_label(job, now, count=False)
+                active[value] = active.get(value, 0) + int(n)
+            self._active = active
 
     def set_detector_stats(self, tracked_paths: int, evicted_paths_total: int) -> None:
         with self._lock:
@@ -191,9 +278,12 @@ class MetricsState:
 
     def finding(self, kind: str, job: str) -> None:
         """A filesystem finding: kind "size_fluctuation" or "torn_read"."""
-        counts = self._fluctuations if kind == "size_fluctuation" else self._torn_reads
         with self._lock:
-            counts[job] = counts.get(job, 0) + 1
+            series = self._series(self._job_label(job, self._clock()))
+            if kind == "size_fluctuation":
+                series.fluctuations += 1
+            else:
+                series.torn_reads += 1
 
     def set_fs_stats(self, stats: dict) -> None:
         """The filesystem source's counters (monitor.fs.source.FsSource.stats())."""
@@ -227,24 +317,36 @@ class MetricsState:
     # -- reading ---------------------------------------------------------------------------
 
     def snapshot(self) -> MetricsSnapshot:
+        """One consistent copy; O(held series), which the label limits bound."""
         with self._lock:
-            histograms = {}
-            for job, counts in self._duration_counts.items():
-                cumulative, running = [], 0
-                for bound, n in zip(self._bounds, counts):
-                    running += n
-                    cumulative.append((_format_bound(bound), running))
-                running += counts[-1]
-                cumulative.append(("+Inf", running))
-                histograms[job] = Histogram(tuple(cumulative), self._duration_sum[job], running)
+            self._expire(self._clock())
+            writes, errors, nbytes, histograms = {}, {}, {}, {}
+            collisions, last_collision, fluctuations, torn_reads = {}, {}, {}, {}
+            for job, series in self._jobs.items():
+                for rank, n in series.writes.items():
+                    writes[(job, rank)] = n
+                if series.errors:
+                    errors[job] = series.errors
+                if series.bytes is not None:
+                    nbytes[job] = series.bytes
+                if series.duration_counts is not None:
+                    histograms[job] = self._histogram(series)
+                for (kind, scope, source), n in series.collisions.items():
+                    collisions[(job, kind, scope, source)] = n
+                if series.last_collision is not None:
+                    last_collision[job] = series.last_collision
+                if series.fluctuations:
+                    fluctuations[job] = series.fluctuations
+                if series.torn_reads:
+                    torn_reads[job] = series.torn_reads
             return MetricsSnapshot(
-                writes=MappingProxyType(dict(self._writes)),
-                write_errors=MappingProxyType(dict(self._write_errors)),
-                write_bytes=MappingProxyType(dict(self._write_bytes)),
+                writes=MappingProxyType(writes),
+                write_errors=MappingProxyType(errors),
+                write_bytes=MappingProxyType(nbytes),
                 write_duration=MappingProxyType(histograms),
                 active_writes=MappingProxyType(dict(self._active)),
-                collisions=MappingProxyType(dict(self._collisions)),
-                last_collision=MappingProxyType(dict(self._last_collision)),
+                collisions=MappingProxyType(collisions),
+                last_collision=MappingProxyType(last_collision),
                 events_received=self._received,
                 events_rejected=MappingProxyType(dict(self._rejected)),
                 client_events_dropped=self._dropped,
@@ -256,12 +358,25 @@ class MetricsState:
                 ingest_evicted=MappingProxyType(dict(self._ingest_evicted)),
                 http_dropped=MappingProxyType(dict(self._http_dropped)),
                 ingest_connections=self._ingest_connections,
-                fluctuations=MappingProxyType(dict(self._fluctuations)),
-                torn_reads=MappingProxyType(dict(self._torn_reads)),
+                fluctuations=MappingProxyType(fluctuations),
+                torn_reads=MappingProxyType(torn_reads),
                 fs=MappingProxyType(dict(self._fs)),
                 verifications=MappingProxyType(dict(self._verifications)),
                 corrupt=MappingProxyType(dict(self._corrupt)),
+                label_values=MappingProxyType({"training_job": len(self._job_values),
+                                               "rank": len(self._rank_values)}),
+                label_values_overflowed=MappingProxyType(dict(self._overflowed)),
+                jobs_expired=self._jobs_expired,
             )
+
+    def _histogram(self, series: _JobSeries) -> Histogram:
+        cumulative, running = [], 0
+        for bound, n in zip(self._bounds, series.duration_counts):
+            running += n
+            cumulative.append((_format_bound(bound), running))
+        running += series.duration_counts[-1]
+        cumulative.append(("+Inf", running))
+        return Histogram(tuple(cumulative), series.duration_sum, running)
 
 
 class CkptwatchCollector:
@@ -284,26 +399,26 @@ class CkptwatchCollector:
         yield _family(CounterMetricFamily, "ckptwatch_writes",
                       "Finished torch.save writes (any outcome); rank is "
                       "empty when unknown.",
-                      ["job", "rank"], s.writes)
+                      ["training_job", "rank"], s.writes)
 
         yield _family(CounterMetricFamily, "ckptwatch_write_errors",
                       "Finished torch.save writes whose save raised.",
-                      ["job"], s.write_errors)
+                      ["training_job"], s.write_errors)
 
         yield _family(CounterMetricFamily, "ckptwatch_write_bytes",
                       "Bytes on disk after finished torch.save writes.",
-                      ["job"], s.write_bytes, unit="bytes")
+                      ["training_job"], s.write_bytes, unit="bytes")
 
         duration = HistogramMetricFamily("ckptwatch_write_duration_seconds",
                                          "Duration of finished torch.save writes.",
-                                         labels=["job"], unit="seconds")
+                                         labels=["training_job"], unit="seconds")
         for job, h in sorted(s.write_duration.items()):
             duration.add_metric([job], list(h.buckets), sum_value=h.sum)
         yield duration
 
         yield _family(GaugeMetricFamily, "ckptwatch_active_writes",
                       "torch.save writes in flight right now.",
-                      ["job"], s.active_writes)
+                      ["training_job"], s.active_writes)
 
         yield _family(CounterMetricFamily, "ckptwatch_collisions",
                       "Write collisions: kind is concurrent (overlapping "
@@ -311,11 +426,11 @@ class CkptwatchCollector:
                       "after another); source is hook when the hook saw "
                       "it (the filesystem may have too), fs when only the "
                       "filesystem watcher did.",
-                      ["job", "kind", "scope", "source"], s.collisions)
+                      ["training_job", "kind", "scope", "source"], s.collisions)
 
         yield _family(GaugeMetricFamily, "ckptwatch_last_collision_timestamp_seconds",
                       "Unix time of the last collision detected for a job.",
-                      ["job"], s.last_collision, unit="seconds")
+                      ["training_job"], s.last_collision, unit="seconds")
 
         yield CounterMetricFamily("ckptwatch_events_received",
                                   "Valid events received from instrumented processes.",
@@ -364,12 +479,12 @@ class CkptwatchCollector:
                       "Checkpoints that shrank while two or more processes had "
                       "them open for writing (filesystem watcher), or whose finished "
                       "writes by different processes left different sizes.",
-                      ["job"], s.fluctuations)
+                      ["training_job"], s.fluctuations)
 
         yield _family(CounterMetricFamily, "ckptwatch_torn_reads",
                       "Checkpoints opened for reading while another process was "
                       "writing them (filesystem watcher).",
-                      ["job"], s.torn_reads)
+                      ["training_job"], s.torn_reads)
 
         if s.fs:
             yield from _fs_families(s.fs)
@@ -384,6 +499,19 @@ class CkptwatchCollector:
                       "reason (empty, truncated, torn, crc_mismatch, "
                       "inconsistent).",
                       ["reason"], s.corrupt)
+
+        yield _family(GaugeMetricFamily, "ckptwatch_label_values",
+                      "Distinct values held for a label whose values come from input "
+                      "(training_job; rank counts (training_job, rank) pairs).",
+                      ["label"], s.label_values)
+        yield _family(CounterMetricFamily, "ckptwatch_label_values_overflowed",
+                      "Updates exported under the label value __overflow__ because the "
+                      "label's cap (--metrics.max-jobs, --metrics.max-ranks) was reached.",
+                      ["label"], s.label_values_overflowed)
+        yield CounterMetricFamily("ckptwatch_training_jobs_expired",
+                                  "Training jobs whose series were dropped after "
+                                  "--metrics.job-idle-expiry without an update.",
+                                  value=s.jobs_expired)
 
 
 def _family(kind, name: str, doc: str, labels: list[str], values: Mapping, unit: str = ""):
@@ -614,6 +742,22 @@ def _bind_candidates(host: str, port: int) -> list[tuple[type, tuple[str, int]]]
     return out
 
 
+def accepts_gzip(header: str | None) -> bool:
+    """True if an Accept-Encoding header accepts gzip (not "gzip;q=0"; "*" counts)."""
+    for item in (header or "").split(","):
+        coding, _, params = item.strip().partition(";")
+        if coding.strip().lower() not in ("gzip", "*"):
+            continue
+        quality = params.strip().lower()
+        if quality.startswith("q="):
+            try:
+                return float(quality[2:]) > 0
+            except ValueError:
+                return False
+        return True
+    return False
+
+
 class _Handler(http.server.BaseHTTPRequestHandler):
     # Set per server in MetricsServer.start(). timeout: the socket timeout of every read and
     # write (StreamRequestHandler applies it), so an idle or slow client cannot hold a thread.
@@ -655,7 +799,13 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             log.exception("metrics collection failed")
             self._reply(500, f"collection failed: {exc}\n".encode(), "text/plain")
             return
-        self._reply(200, body, content_type)
+        # Prometheus always asks for gzip; the text format shrinks ~10x. prometheus_client's
+        # own handlers do this too, but this server is http.server's, so we do it here.
+        if accepts_gzip(self.headers.get("Accept-Encoding")):
+            self._reply(200, gzip.compress(body, compresslevel=6), content_type,
+                        {"Content-Encoding": "gzip", "Vary": "Accept-Encoding"})
+        else:
+            self._reply(200, body, content_type, {"Vary": "Accept-Encoding"})
 
     def _healthz(self):
         try:
@@ -668,9 +818,12 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self._reply(503, (reason or "unhealthy").encode() + b"\n",
                         "text/plain; charset=utf-8")
 
-    def _reply(self, code: int, body: bytes, content_type: str):
+    def _reply(self, code: int, body: bytes, content_type: str,
+               headers: Mapping[str, str] = MappingProxyType({})):
         self.send_response(code)
         self.send_header("Content-Type", content_type)
+        for name, text in headers.items():
+            self.send_header(name, text)
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
         self.wfile.write(body)

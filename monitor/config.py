@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from exporters.journal import default_journal_path
+from exporters.labels import MIN_VALUE_LENGTH, LabelLimits
 from exporters.prometheus import parse_listen_address
 from ckptwatch import paths
 
@@ -64,6 +65,16 @@ class Config:
     watch_poll_interval: float = 1.0
     watch_attribution: str = "auto"
     watch_patterns: list = field(default_factory=lambda: list(WATCH_PATTERNS))
+    metrics_max_jobs: int = LabelLimits.max_jobs
+    metrics_max_ranks: int = LabelLimits.max_ranks
+    metrics_max_label_length: int = LabelLimits.max_value_length
+    metrics_job_idle_expiry: float = LabelLimits.job_idle_expiry
+
+    def label_limits(self) -> LabelLimits:
+        """The exporter's label value caps (exporters.labels)."""
+        return LabelLimits(max_jobs=self.metrics_max_jobs, max_ranks=self.metrics_max_ranks,
+                           max_value_length=self.metrics_max_label_length,
+                           job_idle_expiry=self.metrics_job_idle_expiry)
 
 
 # --- value converters: take a flag string or a config-file value, return the typed value or
@@ -225,6 +236,20 @@ OPTIONS = (
            "seconds after which a write that never ended is given up as lost"),
     Option("collision.max-paths", "collision_max_paths", _number(int, 1),
            "paths tracked at once; the oldest are evicted beyond this (bounds memory)"),
+    Option("metrics.max-jobs", "metrics_max_jobs", _number(int, 1),
+           "distinct training_job label values exported at once; further jobs are exported "
+           "as training_job=\"__overflow__\" and counted in "
+           "ckptwatch_label_values_overflowed_total (bounds /metrics and memory)"),
+    Option("metrics.max-ranks", "metrics_max_ranks", _number(int, 1),
+           "distinct (training_job, rank) pairs exported at once; further ranks are "
+           "exported as rank=\"__overflow__\""),
+    Option("metrics.max-label-length", "metrics_max_label_length",
+           _number(int, MIN_VALUE_LENGTH),
+           "characters kept of a training_job or rank label value; longer values are cut "
+           "and end in ~ and a hash"),
+    Option("metrics.job-idle-expiry", "metrics_job_idle_expiry", _number(float, 0),
+           "seconds without an update after which a training job's series are dropped and "
+           "its place freed (0: never)"),
     Option("log.level", "log_level", _choice(LOG_LEVELS),
            f"log level: {', '.join(LOG_LEVELS)}"),
     Option("log.format", "log_format", _choice(LOG_FORMATS),

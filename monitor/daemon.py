@@ -187,7 +187,7 @@ class Agent:
     def build(cls, config: Config) -> "Agent":
         """Construct every part; nothing listens or runs yet. Raises StartError when the
         journal cannot be opened."""
-        state = MetricsState()
+        state = MetricsState(limits=config.label_limits())
         inbox = Inbox()
         fs_inbox: queue.SimpleQueue = queue.SimpleQueue()
         heartbeat = [time.monotonic()]

@@ -6,9 +6,9 @@
     finally:
         prom.stop()
 
-or `with start_prometheus(...) as prom:`. The scrape job is called "ckptwatch" and uses
-honor_labels: true, exactly as deploy/prometheus/prometheus.yml does, so queries see the same
-labels as in production. Skips the calling test if the prometheus binary is missing.
+or `with start_prometheus(...) as prom:`. The scrape job is called "ckptwatch" with Prometheus'
+default honor_labels (false), exactly as deploy/prometheus/prometheus.yml does, so queries see
+the same labels as in production. Skips the calling test if the prometheus binary is missing.
 """
 from __future__ import annotations
 
@@ -95,7 +95,7 @@ def start_prometheus(targets, rule_files=(), scrape_interval: str = "1s",
         "global": {"scrape_interval": scrape_interval, "evaluation_interval": scrape_interval,
                    "scrape_timeout": scrape_interval},
         "rule_files": [os.path.abspath(p) for p in rule_files],
-        "scrape_configs": [{"job_name": job_name, "honor_labels": True,
+        "scrape_configs": [{"job_name": job_name,
                             "static_configs": [{"targets": list(targets)}]}],
     }
     config_path = os.path.join(workdir, "prometheus.yml")

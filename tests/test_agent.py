@@ -31,7 +31,7 @@ def overlapping_writes(agent, path: str, job: str = "job-e2e") -> tuple[int, int
         a.end()
         b.end()
         # Keep both alive until the agent has both ends: a dead writer's open write is "lost".
-        wait_for(lambda: (agent.metric("ckptwatch_writes_total", job=job) or 0) >= 2,
+        wait_for(lambda: (agent.metric("ckptwatch_writes_total", training_job=job) or 0) >= 2,
                  message="both writes finished")
         return a.pid, b.pid
 
@@ -242,7 +242,8 @@ def test_instrumented_process_keeps_reporting_across_an_agent_restart(workdir, s
         os.makedirs(first_dir), os.makedirs(second_dir)
         with start_agent(first_dir, *FAST, socket=sock) as agent:
             save(1)
-            wait_for(lambda: agent.metric("ckptwatch_writes_total", job="restart", rank="0"),
+            wait_for(lambda: agent.metric("ckptwatch_writes_total", training_job="restart",
+                                          rank="0"),
                      message="first agent saw step 1")
             assert agent.stop() == 0
         save(2)                                      # no agent at all: the save still works
@@ -302,7 +303,8 @@ def test_different_processes_leaving_different_sizes_is_a_size_fluctuation(workd
             a.end(1_000_000)
             b.start()
             b.end(700_000)          # one after the other: no overlap, but not the same file
-            wait_for(lambda: agent.metric("ckptwatch_size_fluctuations_total", job="sizes"),
+            wait_for(lambda: agent.metric("ckptwatch_size_fluctuations_total",
+                                          training_job="sizes"),
                      message="size fluctuation")
         (f,) = wait_for(lambda: [r for r in agent.journal_records()
                                  if r.get("type") == "size_fluctuation"],

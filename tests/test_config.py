@@ -154,3 +154,23 @@ def test_watch_attribution_choices():
     with pytest.raises(ConfigError) as info:
         load(["--watch.attribution", "ebpf"])
     assert "--watch.attribution" in "\n".join(info.value.errors)
+
+
+def test_metrics_label_limits_flags_reach_the_exporter():
+    cfg = load(["--metrics.max-jobs", "7", "--metrics.max-ranks", "9",
+                "--metrics.max-label-length", "40", "--metrics.job-idle-expiry", "0"])
+    limits = cfg.label_limits()
+    assert (limits.max_jobs, limits.max_ranks, limits.max_value_length,
+            limits.job_idle_expiry) == (7, 9, 40, 0.0)
+    default = Config().label_limits()
+    assert default.max_jobs == 100 and default.job_idle_expiry == 86400.0
+
+
+def test_metrics_label_limits_are_validated_together():
+    with pytest.raises(ConfigError) as err:
+        load(["--metrics.max-jobs", "0", "--metrics.max-ranks", "many",
+              "--metrics.max-label-length", "8", "--metrics.job-idle-expiry", "-1"])
+    text = "\n".join(err.value.errors)
+    for flag in ("metrics.max-jobs", "metrics.max-ranks", "metrics.max-label-length",
+                 "metrics.job-idle-expiry"):
+        assert flag in text

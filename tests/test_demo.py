@@ -17,9 +17,10 @@ def test_demo_reports_the_buggy_job_and_not_the_fixed_one():
     assert "concurrent collision, 4 writers" in out
     for rank in range(4):
         assert f"rank{rank}@" in out
-    assert ('ckptwatch_collisions_total{job="buggy",kind="concurrent",scope="node",'
-            'source="hook"} 1.0') in out
-    assert 'job="fixed",kind=' not in out
+    assert ('ckptwatch_collisions_total{kind="concurrent",scope="node",source="hook",'
+            'training_job="buggy"} 1.0') in out
+    assert not [line for line in out.splitlines()
+                if "ckptwatch_collisions_total" in line and 'training_job="fixed"' in line]
     assert "buggy/last.pt: COLLISION reported" in out
     assert "fixed/last.pt: no collision reported" in out
     assert "fix: guard this call site with a global-rank-0 check" in out

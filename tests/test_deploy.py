@@ -216,13 +216,26 @@ def test_rule_tests_cover_firing_pending_and_quiet_for_every_alert():
         assert name in pending, f"{name}: no pending case"
 
 
-def test_scrape_config_honors_labels_and_matches_agent_down_rule():
+def test_scrape_config_keeps_target_labels_and_matches_agent_down_rule():
     config = load_yaml(PROM_CONFIG)
     jobs = {j["job_name"]: j for j in config["scrape_configs"]}
-    assert jobs["ckptwatch"]["honor_labels"] is True
+    # The agent exports training_job, never job: nothing for honor_labels to protect.
+    assert not jobs["ckptwatch"].get("honor_labels", False)
     down = next(r for r in alert_rules() if r["alert"] == "CkptwatchAgentDown")
     assert 'up{job="ckptwatch"}' in down["expr"]
     assert os.path.basename(RULES) in config["rule_files"]
+
+
+def test_training_job_is_never_the_job_label_in_rules_or_dashboard():
+    """`job` is the scrape job's name (Prometheus'): rules and panels group and filter by
+    training_job; `job` appears only as job="ckptwatch" to pick our targets."""
+    exprs = [r["expr"] for r in alert_rules()] + dashboard_exprs()
+    for expr in exprs:
+        assert not re.search(r"\b(by|without|on|ignoring)\s*\([^)]*\bjob\b", expr), expr
+        for match in re.finditer(r"(?<![\w])job\s*(=~|!=|!~|=)\s*\"([^\"]*)\"", expr):
+            assert match.groups() == ("=", "ckptwatch"), expr
+    annotations = json.dumps([r.get("annotations", {}) for r in alert_rules()])
+    assert "$labels.job" not in annotations and "{{job}}" not in json.dumps(dashboard())
 
 
 # --- Grafana ------------------------------------------------------------------------------
@@ -233,7 +246,7 @@ def test_dashboard_has_fixed_uid_and_datasource_variable():
     variables = {v["name"]: v for v in board["templating"]["list"]}
     assert variables["datasource"]["type"] == "datasource"
     assert variables["datasource"]["query"] == "prometheus"
-    for name in ("job", "node"):
+    for name in ("training_job", "node"):
         assert variables[name]["datasource"]["uid"] == "${datasource}"
     ids = []
 
@@ -255,7 +268,7 @@ def test_dashboard_covers_collisions_writes_and_ingest():
     exprs = dashboard_exprs()
     joined = "\n".join(exprs)
     for needle in ('ckptwatch_collisions_total', 'ckptwatch_last_collision_timestamp_seconds',
-                   'by (job, rank)', 'ckptwatch_write_bytes_total',
+                   'by (training_job, rank)', 'ckptwatch_write_bytes_total',
                    'histogram_quantile(0.99', 'ckptwatch_active_writes',
                    'ckptwatch_events_received_total', 'by (reason)',
                    'ckptwatch_client_events_dropped_total'):
@@ -267,7 +280,7 @@ def test_dashboard_covers_collisions_writes_and_ingest():
 @needs_promtool
 def test_dashboard_queries_are_valid_promql(tmp_path):
     # promtool has no expression checker, but it parses recording rules: wrap each query.
-    values = {"$__rate_interval": "5m", "$__range": "1h", "$job": ".*", "$node": ".*"}
+    values = {"$__rate_interval": "5m", "$__range": "1h", "$training_job": ".*", "$node": ".*"}
     rules = []
     for i, expr in enumerate(dashboard_exprs()):
         for var, value in values.items():
@@ -380,7 +393,7 @@ def test_training_pod_example_reaches_the_agent_socket(manifests):
         "supplementalGroups"]
 
 
-def test_podmonitor_scrapes_named_port_with_honor_labels(manifests):
+def test_podmonitor_scrapes_named_port_without_honor_labels(manifests):
     ds = find(manifests, "DaemonSet")
     pm = find(manifests, "PodMonitor")
     pod_labels = ds["spec"]["template"]["metadata"]["labels"]
@@ -388,7 +401,7 @@ def test_podmonitor_scrapes_named_port_with_honor_labels(manifests):
     # The job name comes from this pod label; CkptwatchAgentDown expects "ckptwatch".
     assert pod_labels[pm["spec"]["jobLabel"]] == "ckptwatch"
     (endpoint,) = pm["spec"]["podMetricsEndpoints"]
-    assert endpoint["port"] == "metrics" and endpoint["honorLabels"] is True
+    assert endpoint["port"] == "metrics" and not endpoint.get("honorLabels", False)
 
 
 # --- systemd and Docker -------------------------------------------------------------------

@@ -93,11 +93,11 @@ def test_every_rank_saving_one_path_is_one_concurrent_collision_naming_all_ranks
                     if r.get("type") == "verification" and r["path"] == path]
 
     # Prometheus: one concurrent collision for this job, four finished writes by four ranks.
-    assert agent.metric("ckptwatch_collisions_total", job=job, kind="concurrent",
+    assert agent.metric("ckptwatch_collisions_total", training_job=job, kind="concurrent",
                         scope="node") == 1
     for rank in range(NPROC):
-        assert agent.metric("ckptwatch_writes_total", job=job, rank=str(rank)) == 1
-    assert agent.metric("ckptwatch_last_collision_timestamp_seconds", job=job) > 0
+        assert agent.metric("ckptwatch_writes_total", training_job=job, rank=str(rank)) == 1
+    assert agent.metric("ckptwatch_last_collision_timestamp_seconds", training_job=job) > 0
 
     # The human report names every rank, the call site and the fix.
     report = subprocess.run([sys.executable, "-m", "monitor.cli", "report", "--journal",
@@ -124,7 +124,7 @@ def test_global_rank0_guard_is_not_a_collision(agent):
     # Give the detector longer than its settle time to (wrongly) report anything.
     settle()
     assert collisions_of(agent, job) == []
-    assert not agent.metric("ckptwatch_collisions_total", job=job, kind="concurrent",
+    assert not agent.metric("ckptwatch_collisions_total", training_job=job, kind="concurrent",
                             scope="node")
     torch.load(w["path"], weights_only=False)  # and the file is sound
 
@@ -177,11 +177,11 @@ def test_real_prometheus_scrapes_the_agent_and_the_collision_alert_goes_pending(
     target = agent.url.split("//", 1)[1].rstrip("/")
     with start_prometheus([target], rule_files=[rules]) as prom:
         result = wait_for_query(
-            prom, f'ckptwatch_collisions_total{{job="{job}",kind="concurrent"}}')
+            prom, f'ckptwatch_collisions_total{{training_job="{job}",kind="concurrent"}}')
         assert [r["value"][1] for r in result] == ["1"]
         assert result[0]["metric"]["scope"] == "node"
-        ranks = prom.query(f'ckptwatch_writes_total{{job="{job}"}}')
+        ranks = prom.query(f'ckptwatch_writes_total{{training_job="{job}"}}')
         assert sorted(r["metric"]["rank"] for r in ranks) == ["0", "1"]
         alerts = wait_for_query(
-            prom, f'ALERTS{{alertname="CkptwatchConcurrentWriteCollision",job="{job}"}}')
+            prom, f'ALERTS{{alertname="CkptwatchConcurrentWriteCollision",training_job="{job}"}}')
         assert alerts[0]["metric"]["severity"] == "critical"

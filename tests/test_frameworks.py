@@ -97,8 +97,8 @@ def test_transformers_trainer_checkpoints_are_recorded_and_not_a_collision(agent
     assert all(w["site"].startswith(hf_dir) for w in writes), {w["site"] for w in writes}
     # Each rank wrote only its own rng_state file: separate paths, no collision of any kind.
     assert records_of(agent, job, "collision") == []
-    assert not agent.metric("ckptwatch_collisions_total", job=job)
-    assert agent.metric("ckptwatch_writes_total", job=job, rank="1") == 2
+    assert not agent.metric("ckptwatch_collisions_total", training_job=job)
+    assert agent.metric("ckptwatch_writes_total", training_job=job, rank="1") == 2
 
 
 # --- accelerate --------------------------------------------------------------------------------
@@ -122,7 +122,7 @@ def test_accelerate_save_state_is_not_a_collision(agent, outdir):
     acc_dir = framework_file(accelerate)
     assert all(w["site"].startswith(acc_dir) for w in writes), {w["site"] for w in writes}
     assert records_of(agent, job, "collision") == []
-    assert not agent.metric("ckptwatch_collisions_total", job=job)
+    assert not agent.metric("ckptwatch_collisions_total", training_job=job)
 
 
 def test_accelerate_unguarded_torch_save_is_one_concurrent_collision(agent, outdir):
@@ -143,7 +143,7 @@ def test_accelerate_unguarded_torch_save_is_one_concurrent_collision(agent, outd
     assert all(w["site"].startswith(script + ":") and w["func"] == "main"
                for w in c["writers"]), [w["site"] for w in c["writers"]]
     assert c["overlap_seconds"] > 0
-    assert agent.metric("ckptwatch_collisions_total", job=job, kind="concurrent",
+    assert agent.metric("ckptwatch_collisions_total", training_job=job, kind="concurrent",
                         scope="node") == 1
 
 
@@ -181,7 +181,7 @@ def test_lightning_ddp_every_process_is_instrumented_and_no_collision(agent, lig
         (os.path.join(out, f"probe-rank{r}.pt"), r) for r in (0, 1)}
     assert len({w["pid"] for w in probes.values()}) == 2
     assert records_of(agent, job, "collision") == []
-    assert not agent.metric("ckptwatch_collisions_total", job=job)
+    assert not agent.metric("ckptwatch_collisions_total", training_job=job)
 
 
 @pytest.mark.xfail(strict=True, reason="Lightning torch.saves into io.BytesIO and copies the bytes "

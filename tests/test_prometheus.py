@@ -20,6 +20,7 @@ from monitor.detect.model import KIND_CONCURRENT, KIND_REDUNDANT, Collision, Wri
 from ckptwatch.version import __version__
 
 PATH = "/data/run-7/checkpoints/last.pt"
+BUCKET = "ckptwatch_write_duration_seconds_bucket"
 
 
 def write(pid=100, rank=0, job="job-a", start=10.0, duration=0.5, nbytes=1000,
@@ -49,19 +50,19 @@ def test_writes_bytes_and_duration_by_job_and_rank(state):
     state.write_finished(write(rank=0, duration=2.0, nbytes=3000))
     state.write_finished(write(rank=None, job=None, duration=0.0005, nbytes=None))
     reg = build_registry(state)
-    assert value(reg, "ckptwatch_writes_total", job="job-a", rank="0") == 2
+    assert value(reg, "ckptwatch_writes_total", training_job="job-a", rank="0") == 2
     # Unknown rank and job are exported as empty label values, not dropped.
-    assert value(reg, "ckptwatch_writes_total", job="", rank="") == 1
-    assert value(reg, "ckptwatch_write_bytes_total", job="job-a") == 4000
+    assert value(reg, "ckptwatch_writes_total", training_job="", rank="") == 1
+    assert value(reg, "ckptwatch_write_bytes_total", training_job="job-a") == 4000
     # A write with unknown size counts as a write but adds no bytes.
-    assert value(reg, "ckptwatch_write_bytes_total", job="") is None
-    assert value(reg, "ckptwatch_write_duration_seconds_count", job="job-a") == 2
-    assert value(reg, "ckptwatch_write_duration_seconds_sum", job="job-a") == 2.5
-    assert value(reg, "ckptwatch_write_duration_seconds_bucket", job="job-a", le="0.5") == 1
-    assert value(reg, "ckptwatch_write_duration_seconds_bucket", job="job-a", le="1.0") == 1
-    assert value(reg, "ckptwatch_write_duration_seconds_bucket", job="job-a", le="2.5") == 2
-    assert value(reg, "ckptwatch_write_duration_seconds_bucket", job="job-a", le="+Inf") == 2
-    assert value(reg, "ckptwatch_write_duration_seconds_bucket", job="", le="0.001") == 1
+    assert value(reg, "ckptwatch_write_bytes_total", training_job="") is None
+    assert value(reg, "ckptwatch_write_duration_seconds_count", training_job="job-a") == 2
+    assert value(reg, "ckptwatch_write_duration_seconds_sum", training_job="job-a") == 2.5
+    assert value(reg, BUCKET, training_job="job-a", le="0.5") == 1
+    assert value(reg, BUCKET, training_job="job-a", le="1.0") == 1
+    assert value(reg, BUCKET, training_job="job-a", le="2.5") == 2
+    assert value(reg, BUCKET, training_job="job-a", le="+Inf") == 2
+    assert value(reg, BUCKET, training_job="", le="0.001") == 1
 
 
 def test_duration_buckets_span_a_millisecond_to_ten_minutes(state):
@@ -69,17 +70,17 @@ def test_duration_buckets_span_a_millisecond_to_ten_minutes(state):
     state.write_finished(write(duration=599.0))
     state.write_finished(write(duration=3600.0))
     reg = build_registry(state)
-    assert value(reg, "ckptwatch_write_duration_seconds_bucket", job="job-a", le="300.0") == 0
-    assert value(reg, "ckptwatch_write_duration_seconds_bucket", job="job-a", le="600.0") == 1
-    assert value(reg, "ckptwatch_write_duration_seconds_bucket", job="job-a", le="+Inf") == 2
+    assert value(reg, BUCKET, training_job="job-a", le="300.0") == 0
+    assert value(reg, BUCKET, training_job="job-a", le="600.0") == 1
+    assert value(reg, BUCKET, training_job="job-a", le="+Inf") == 2
 
 
 def test_failed_writes_are_counted_as_writes_and_errors(state):
     state.write_finished(write(outcome="OSError"))
     state.write_finished(write())
     reg = build_registry(state)
-    assert value(reg, "ckptwatch_writes_total", job="job-a", rank="0") == 2
-    assert value(reg, "ckptwatch_write_errors_total", job="job-a") == 1
+    assert value(reg, "ckptwatch_writes_total", training_job="job-a", rank="0") == 2
+    assert value(reg, "ckptwatch_write_errors_total", training_job="job-a") == 1
 
 
 def test_collisions_by_kind_scope_and_last_timestamp(state):
@@ -87,13 +88,13 @@ def test_collisions_by_kind_scope_and_last_timestamp(state):
     state.collision(collision(detected=1_700_000_300.0))
     state.collision(collision(kind=KIND_REDUNDANT, detected=1_700_000_200.0))
     reg = build_registry(state)
-    assert value(reg, "ckptwatch_collisions_total", job="job-a", kind="concurrent",
+    assert value(reg, "ckptwatch_collisions_total", training_job="job-a", kind="concurrent",
                  scope="node", source="hook") == 2
-    assert value(reg, "ckptwatch_collisions_total", job="job-a", kind="redundant",
+    assert value(reg, "ckptwatch_collisions_total", training_job="job-a", kind="redundant",
                  scope="node", source="hook") == 1
     # The latest, not the last reported (collisions become final out of order).
     assert value(reg, "ckptwatch_last_collision_timestamp_seconds",
-                 job="job-a") == 1_700_000_300.0
+                 training_job="job-a") == 1_700_000_300.0
 
 
 def test_collision_between_two_jobs_uses_the_collision_job_label(state):
@@ -101,7 +102,7 @@ def test_collision_between_two_jobs_uses_the_collision_job_label(state):
     c = Collision(path=PATH, kind=KIND_CONCURRENT, writes=writes, detected_wall=5.0)
     state.collision(c)
     reg = build_registry(state)
-    assert value(reg, "ckptwatch_collisions_total", job=c.job_label, kind="concurrent",
+    assert value(reg, "ckptwatch_collisions_total", training_job=c.job_label, kind="concurrent",
                  scope="node", source="hook") == 1
 
 
@@ -131,11 +132,11 @@ def test_ingest_counters_rejects_prepopulated(state):
 def test_gauges_reflect_current_state_only(state):
     reg = build_registry(state)
     state.set_active_writes({"job-a": 3, "job-b": 1})
-    assert value(reg, "ckptwatch_active_writes", job="job-a") == 3
+    assert value(reg, "ckptwatch_active_writes", training_job="job-a") == 3
     state.set_active_writes({"job-b": 2})
     # Built fresh on every scrape: a job with no writes in flight disappears.
-    assert value(reg, "ckptwatch_active_writes", job="job-a") is None
-    assert value(reg, "ckptwatch_active_writes", job="job-b") == 2
+    assert value(reg, "ckptwatch_active_writes", training_job="job-a") is None
+    assert value(reg, "ckptwatch_active_writes", training_job="job-b") == 2
     state.set_detector_stats(tracked_paths=12, evicted_paths_total=4)
     state.set_journal_stats(errors=3, records_lost=40)
     assert value(reg, "ckptwatch_tracked_paths") == 12
@@ -174,8 +175,8 @@ def test_concurrent_updates_are_not_lost(state):
         t.join()
     reg = build_registry(state)
     assert value(reg, "ckptwatch_events_received_total") == 8000
-    assert value(reg, "ckptwatch_writes_total", job="job-a", rank="0") == 8000
-    assert value(reg, "ckptwatch_write_duration_seconds_count", job="job-a") == 8000
+    assert value(reg, "ckptwatch_writes_total", training_job="job-a", rank="0") == 8000
+    assert value(reg, "ckptwatch_write_duration_seconds_count", training_job="job-a") == 8000
 
 
 def test_registries_are_independent():
@@ -274,9 +275,10 @@ def test_server_scrape_matches_state(server):
     samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
                for f in text_string_to_metric_families(body) for s in f.samples}
     key = ("ckptwatch_collisions_total",
-           (("job", "job-a"), ("kind", "concurrent"), ("scope", "node"), ("source", "hook")))
+           (("kind", "concurrent"), ("scope", "node"), ("source", "hook"),
+            ("training_job", "job-a")))
     assert samples[key] == 1
-    assert samples[("ckptwatch_writes_total", (("job", "job-a"), ("rank", "1")))] == 1
+    assert samples[("ckptwatch_writes_total", (("rank", "1"), ("training_job", "job-a")))] == 1
     assert samples[("ckptwatch_events_rejected_total", (("reason", "truncated"),))] == 1
     assert PATH not in body
 
@@ -376,9 +378,9 @@ def test_collision_source_label_one_sample_per_collision(state):
     state.collision(both)
     state.collision(fs_only)
     reg = build_registry(state)
-    assert value(reg, "ckptwatch_collisions_total", job="job-a", kind="concurrent",
+    assert value(reg, "ckptwatch_collisions_total", training_job="job-a", kind="concurrent",
                  scope="node", source="hook") == 1
-    assert value(reg, "ckptwatch_collisions_total", job="job-a", kind="concurrent",
+    assert value(reg, "ckptwatch_collisions_total", training_job="job-a", kind="concurrent",
                  scope="node", source="fs") == 1
 
 
@@ -391,8 +393,8 @@ def test_filesystem_findings_and_source_stats(state):
                         "roots": {"/ckpt": {"mode": "polling", "state": "watching"},
                                   "/gone": {"mode": "inotify", "state": "missing"}}})
     reg = build_registry(state)
-    assert value(reg, "ckptwatch_size_fluctuations_total", job="job-a") == 1
-    assert value(reg, "ckptwatch_torn_reads_total", job="job-a") == 2
+    assert value(reg, "ckptwatch_size_fluctuations_total", training_job="job-a") == 1
+    assert value(reg, "ckptwatch_torn_reads_total", training_job="job-a") == 2
     assert value(reg, "ckptwatch_fs_events_lost_total") == 2
     assert value(reg, "ckptwatch_fs_watch_fallbacks_total") == 1
     assert value(reg, "ckptwatch_fs_watch_up", root_dir="/ckpt", mode="polling") == 1

@@ -42,8 +42,10 @@ def test_prometheus_sees_collisions_and_rules_evaluate(agent_metrics):
         result = wait_for_query(prom, 'ckptwatch_collisions_total{kind="concurrent"}')
         assert len(result) == 1
         labels = result[0]["metric"]
-        # honor_labels kept the exported training job id in `job`.
-        assert labels["job"] == "job-7" and labels["scope"] == "node"
+        # The training job id is its own label; `job` stays the scrape job's name, with no
+        # honor_labels needed (issue 8).
+        assert labels["training_job"] == "job-7" and labels["scope"] == "node"
+        assert labels["job"] == "ckptwatch"
         assert labels["instance"] == target
         assert result[0]["value"][1] == "1"
         assert all(PATH not in v for v in labels.values())
@@ -52,17 +54,18 @@ def test_prometheus_sees_collisions_and_rules_evaluate(agent_metrics):
         up = prom.query('up{job="ckptwatch"}')
         assert [r["value"][1] for r in up] == ["1"]
 
-        ranks = prom.query('ckptwatch_writes_total{job="job-7"}')
+        ranks = prom.query('ckptwatch_writes_total{training_job="job-7"}')
         assert sorted(r["metric"]["rank"] for r in ranks) == ["0", "1", "2", "3"]
-        # job="" is stored as "no job label" (see deploy/prometheus/prometheus.yml).
-        unknown = prom.query('ckptwatch_writes_total{job=""}')
-        assert len(unknown) == 1 and "job" not in unknown[0]["metric"]
+        # training_job="" is stored as "no training_job label" (see
+        # deploy/prometheus/prometheus.yml).
+        unknown = prom.query('ckptwatch_writes_total{training_job=""}')
+        assert len(unknown) == 1 and "training_job" not in unknown[0]["metric"]
         assert "rank" not in unknown[0]["metric"]
 
         # The shipped rule catches the collision although the counter was born at 1:
         # the alert is pending (its `for:` is a minute, longer than this test).
         alerts = wait_for_query(
             prom, 'ALERTS{alertname="CkptwatchConcurrentWriteCollision"}')
-        assert alerts[0]["metric"]["job"] == "job-7"
+        assert alerts[0]["metric"]["training_job"] == "job-7"
         assert alerts[0]["metric"]["severity"] == "critical"
         assert not prom.query('ALERTS{alertname="CkptwatchAgentDown"}')

@@ -56,7 +56,7 @@ class Writer:
 
     @property
     def job_label(self) -> str:
-        """Value of the `job` metric label: the job id, or "" when unknown."""
+        """Value of the `training_job` metric label: the job id, or "" when unknown."""
         return self.job or ""
 
     @property
