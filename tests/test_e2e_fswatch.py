@@ -18,6 +18,8 @@ from helpers import REPO_ROOT, remove_tree, short_tmpdir, wait_for
 pytest.importorskip("torch")
 pytest.importorskip("watchdog")
 
+pytestmark = [pytest.mark.e2e, pytest.mark.torch]
+
 NPROC = 4
 
 

@@ -18,6 +18,8 @@ from helpers import REPO_ROOT, remove_tree, short_tmpdir, wait_for, wait_past_se
 
 torch = pytest.importorskip("torch")
 
+pytestmark = [pytest.mark.e2e, pytest.mark.torch]
+
 NPROC = 4
 SETTLE = 0.5
 

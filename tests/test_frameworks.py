@@ -21,6 +21,8 @@ from helpers import REPO_ROOT, remove_tree, short_tmpdir, wait_for, wait_past_se
 
 torch = pytest.importorskip("torch")
 
+pytestmark = [pytest.mark.e2e, pytest.mark.torch]
+
 SCRIPTS = os.path.join(REPO_ROOT, "tests", "frameworks")
 SETTLE = 0.5
 TORCHRUN = (sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2")

@@ -480,6 +480,7 @@ def test_two_real_writers_of_one_path_are_an_fs_collision(tmp_path, pipeline_wat
         _reap(*(p for p in (a, b) if p is not None))
 
 
+@pytest.mark.torch
 def test_plain_torch_save_truncating_its_own_file_is_no_fluctuation(tmp_path, pipeline_watch):
     pipe = pipeline_watch
     path = str(tmp_path / "model.pt")
