@@ -16,6 +16,7 @@ import subprocess
 import sys
 import urllib.error
 import urllib.request
+import uuid
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -83,6 +84,34 @@ class AgentProcess:
                          timeout=timeout, message=f"{count} collision(s) in {self.journal}; "
                                                   f"agent log:\n{self.log}")
         return found[count - 1]
+
+    def wait_judged(self, timeout: float = 30.0) -> None:
+        """Wait until the agent has judged everything it received before this call: the
+        positive signal that proves an absence (no collision, no second collision).
+
+        A sentinel write, sent now on a path of its own by a process of no job, can join no
+        collision or chain; it becomes final `settle` after its end and is then journaled. The
+        detector finalizes in due order and the journal is flushed every tick, so once the
+        sentinel is in the journal, every finding due before it -- every group whose writes
+        ended before the sentinel's -- is in the journal and the metrics too. The sentinel is
+        a failed save (nothing to verify): it adds one write and one write error of job ""."""
+        path = os.path.join(os.path.dirname(self.journal), f"sentinel-{uuid.uuid4().hex}")
+        with EventSender(self.socket, path, job="") as sender:
+            sender.start()
+            sender.end(outcome="SentinelError")
+        wait_for(lambda: any(r.get("type") == "write" and r.get("path") == path
+                             for r in self.journal_records()),
+                 timeout=timeout, message=f"the sentinel write judged; agent log:\n{self.log}")
+
+    def wait_idle(self, timeout: float = 60.0) -> None:
+        """Wait until the detector holds nothing (ckptwatch_tracked_paths 0: every group and
+        chain final and forgotten, every write ended), then until that last tick's findings are
+        journaled (wait_judged). With a short --collision.window this proves that no redundant
+        chain is still open; with the default 60 s window it would wait a minute."""
+        wait_for(lambda: self.metric("ckptwatch_tracked_paths") == 0
+                 and not self.metric("ckptwatch_active_writes"),
+                 timeout=timeout, message=f"the detector idle; agent log:\n{self.log}")
+        self.wait_judged()
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -177,10 +206,11 @@ for line in sys.stdin:
         sock.sendall(events.encode({**base, "type": "start", "seq": seq,
                                     "wall": started[0], "mono": started[1]}))
     elif cmd == "end":
+        nbytes, _, outcome = arg.partition(" ")
         sock.sendall(events.encode({**base, "type": "end", "seq": seq, "wall": time.time(),
                                     "mono": time.monotonic(), "start_wall": started[0],
-                                    "start_mono": started[1], "bytes": int(arg or 1234),
-                                    "outcome": "ok"}))
+                                    "start_mono": started[1], "bytes": int(nbytes or 1234),
+                                    "outcome": outcome or "ok"}))
     elif cmd == "raw":
         sock.sendall(bytes.fromhex(arg))
     elif cmd == "close":
@@ -213,8 +243,8 @@ class EventSender:
     def start(self) -> None:
         self._do("start")
 
-    def end(self, nbytes: int = 1234) -> None:
-        self._do(f"end {nbytes}")
+    def end(self, nbytes: int = 1234, outcome: str = "ok") -> None:
+        self._do(f"end {nbytes} {outcome}")
 
     def raw(self, data: bytes) -> None:
         self._do("raw " + data.hex())

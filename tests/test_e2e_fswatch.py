@@ -86,8 +86,8 @@ def test_every_rank_saving_is_a_collision_seen_by_the_filesystem_alone(watched):
     out = os.path.join(root, "every")
     job = torchrun(out, "every-rank")
     path = os.path.join(out, "last.pt")
-    found = wait_for(lambda: collisions(agent, path), timeout=30, message="fs collision")
-    time.sleep(2.0)
+    wait_for(lambda: collisions(agent, path), timeout=30, message="fs collision")
+    agent.wait_judged()                   # a second collision for the same save would show now
     found = collisions(agent, path)
     writers = [w for c in found for w in c["writers"]]
     if attribution == "fanotify":
@@ -123,7 +123,7 @@ def test_rank0_alone_is_not_a_collision_for_the_filesystem_either(watched):
         (w,) = [r for r in agent.journal_records()
                 if r.get("type") == "write" and r["path"] == path]
         assert (w["rank"], w["source"]) == (0, "fs")
-    time.sleep(2.5)                       # settle + merger delay: an absence needs a wait
+    agent.wait_judged()                   # everything it saw is judged: proves the absence
     assert collisions(agent, path) == []
     assert not agent.metric("ckptwatch_collisions_total", kind="concurrent")
 
@@ -134,8 +134,8 @@ def test_with_the_hook_too_one_collision_names_both_sources(watched):
     out = os.path.join(root, "both")
     torchrun(out, "every-rank", hook_socket=agent.socket)
     path = os.path.join(out, "last.pt")
-    found = wait_for(lambda: collisions(agent, path), timeout=30, message="collision")
-    time.sleep(2.0)                       # a second collision for the same save would show now
+    wait_for(lambda: collisions(agent, path), timeout=30, message="collision")
+    agent.wait_judged()                   # a second collision for the same save would show now
     found = collisions(agent, path)
     assert len(found) == 1, found
     c = found[0]
@@ -278,7 +278,7 @@ def test_atomic_saves_by_two_ranks_are_redundant_never_concurrent():
                             message="redundant collision")
             assert c["kind"] == "redundant" and c["sources"] == ["fs"]
             assert sorted(w["rank"] for w in c["writers"]) == [0, 1]
-            time.sleep(1.0)
+            agent.wait_judged()
             assert not agent.metric("ckptwatch_collisions_total", kind="concurrent")
             writes = [r for r in agent.journal_records()
                       if r.get("type") == "write" and r["path"] == dest]
