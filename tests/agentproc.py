@@ -23,6 +23,12 @@ from prometheus_client.parser import text_string_to_metric_families
 from helpers import REPO_ROOT, free_port, remove_tree, short_tmpdir, subprocess_env, wait_for
 
 
+# wait_judged() sends its sentinel collisions as this job, on paths under SENTINEL_DIR next to
+# the journal (never created).
+SENTINEL_JOB = "ckptwatch-test-sentinel"
+SENTINEL_DIR = "sentinel"
+
+
 class AgentProcess:
     """A running agent subprocess; stop() (or leaving the with-block) ends it."""
 
@@ -61,15 +67,23 @@ class AgentProcess:
 
     def metric(self, name: str, **labels) -> float | None:
         """The value of the sample `name` whose labels include `labels`, summed over matches;
-        None if no sample matches. `name` is the sample name, e.g. ..._total or ..._bucket."""
+        None if no sample matches. `name` is the sample name, e.g. ..._total or ..._bucket.
+        Samples of wait_judged()'s SENTINEL_JOB are left out."""
         values = [s.value
                   for family in text_string_to_metric_families(self.scrape())
                   for s in family.samples
-                  if s.name == name and all(s.labels.get(k) == str(v) for k, v in labels.items())]
+                  if s.name == name and all(s.labels.get(k) == str(v) for k, v in labels.items())
+                  and s.labels.get("job") != SENTINEL_JOB]
         return sum(values) if values else None
 
     def journal_records(self) -> list[dict]:
-        """Every journal record so far (rotated files first)."""
+        """Every journal record so far (rotated files first), wait_judged()'s sentinels left
+        out."""
+        sentinels = os.path.join(os.path.dirname(self.journal), SENTINEL_DIR) + os.sep
+        return [r for r in self._all_records()
+                if not str(r.get("path", "")).startswith(sentinels)]
+
+    def _all_records(self) -> list[dict]:
         from exporters.journal import read_records
         if not os.path.exists(self.journal):
             return []
@@ -89,19 +103,25 @@ class AgentProcess:
         """Wait until the agent has judged everything it received before this call: the
         positive signal that proves an absence (no collision, no second collision).
 
-        A sentinel write, sent now on a path of its own by a process of no job, can join no
-        collision or chain; it becomes final `settle` after its end and is then journaled. The
+        A sentinel collision -- two processes of SENTINEL_JOB overlapping on a path of its
+        own, sent now -- is final `settle` after its last end, like any concurrent group. The
         detector finalizes in due order and the journal is flushed every tick, so once the
-        sentinel is in the journal, every finding due before it -- every group whose writes
-        ended before the sentinel's -- is in the journal and the metrics too. The sentinel is
-        a failed save (nothing to verify): it adds one write and one write error of job ""."""
-        path = os.path.join(os.path.dirname(self.journal), f"sentinel-{uuid.uuid4().hex}")
-        with EventSender(self.socket, path, job="") as sender:
-            sender.start()
-            sender.end(outcome="SentinelError")
-        wait_for(lambda: any(r.get("type") == "write" and r.get("path") == path
-                             for r in self.journal_records()),
-                 timeout=timeout, message=f"the sentinel write judged; agent log:\n{self.log}")
+        sentinel is journaled, every group whose writes ended before it was sent is final and
+        in the journal and the metrics. (A write record would not do: writes are journaled
+        when they end, their collisions only after `settle`.) journal_records(), collisions()
+        and metric() leave the sentinel out; job-less metrics (events received, tracked
+        paths) and verifications of job "" count it."""
+        path = os.path.join(os.path.dirname(self.journal), SENTINEL_DIR, uuid.uuid4().hex)
+        with EventSender(self.socket, path, rank=0, job=SENTINEL_JOB) as a, \
+                EventSender(self.socket, path, rank=1, job=SENTINEL_JOB) as b:
+            a.start()
+            b.start()
+            a.end()
+            b.end()
+            # Both stay alive until it is judged: a dead writer's open write would be "lost".
+            wait_for(lambda: any(r.get("type") == "collision" and r.get("path") == path
+                                 for r in self._all_records()),
+                     timeout=timeout, message=f"the sentinel collision; agent log:\n{self.log}")
 
     def wait_idle(self, timeout: float = 60.0) -> None:
         """Wait until the detector holds nothing (ckptwatch_tracked_paths 0: every group and
@@ -206,11 +226,10 @@ for line in sys.stdin:
         sock.sendall(events.encode({**base, "type": "start", "seq": seq,
                                     "wall": started[0], "mono": started[1]}))
     elif cmd == "end":
-        nbytes, _, outcome = arg.partition(" ")
         sock.sendall(events.encode({**base, "type": "end", "seq": seq, "wall": time.time(),
                                     "mono": time.monotonic(), "start_wall": started[0],
-                                    "start_mono": started[1], "bytes": int(nbytes or 1234),
-                                    "outcome": outcome or "ok"}))
+                                    "start_mono": started[1], "bytes": int(arg or 1234),
+                                    "outcome": "ok"}))
     elif cmd == "raw":
         sock.sendall(bytes.fromhex(arg))
     elif cmd == "close":
@@ -243,8 +262,8 @@ class EventSender:
     def start(self) -> None:
         self._do("start")
 
-    def end(self, nbytes: int = 1234, outcome: str = "ok") -> None:
-        self._do(f"end {nbytes} {outcome}")
+    def end(self, nbytes: int = 1234) -> None:
+        self._do(f"end {nbytes}")
 
     def raw(self, data: bytes) -> None:
         self._do("raw " + data.hex())

@@ -323,3 +323,15 @@ def test_different_processes_leaving_different_sizes_is_a_size_fluctuation(workd
         assert (f["path"], f["size_before"], f["size_after"]) == (path, 1_000_000, 700_000)
         assert [w["rank"] for w in f["writers"]] == [0, 1]
     assert "size fluctuation on /ckpt/sizes/last.pt" in agent.log
+
+
+@pytest.mark.e2e
+def test_wait_judged_returns_only_after_a_pending_collision_is_journaled(workdir):
+    """The absence tests rest on AgentProcess.wait_judged(): it must not return while a
+    finding about earlier events is still pending (here: a collision in its 4 s settle)."""
+    with start_agent(workdir, "--collision.settle", "4") as agent:
+        path = os.path.join(workdir, "model.pt")
+        overlapping_writes(agent, path)
+        assert agent.collisions() == []          # still settling
+        agent.wait_judged()
+        assert [c["path"] for c in agent.collisions()] == [path]
