@@ -7,7 +7,6 @@ import contextlib
 import os
 import subprocess
 import sys
-import time
 import uuid
 
 import pytest
@@ -205,7 +204,9 @@ def test_reading_a_checkpoint_while_another_process_writes_it_is_a_torn_read(wat
     path = os.path.join(root, "being-written.pt")
     env = _clean_env()
     with holding_open(path, "torn"):
-        time.sleep(0.3)                 # let the watcher attribute the writer first
+        # The watcher has attributed the writer first: its write is in flight at the agent.
+        wait_for(lambda: agent.metric("ckptwatch_active_writes", job="torn"), timeout=15,
+                 message="the writer's write in flight")
         reader = subprocess.run([sys.executable, "-c", READER, path], capture_output=True,
                                 text=True, env={**env, "CKPTWATCH_JOB": "eval"}, timeout=30)
         assert reader.stdout == "reading\n"
