@@ -13,13 +13,41 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import uuid
 
 from helpers import subprocess_env, wait_for
 from monitor import launcher
 
 
+# wait_judged() sends its sentinel collisions as this job, on paths under SENTINEL_DIR next to
+# the journal (never created).
+SENTINEL_JOB = "ckptwatch-test-sentinel"
+SENTINEL_DIR = "sentinel"
+
+
 class AgentProcess(launcher.AgentProcess):
-    """monitor.launcher's agent with what tests wait for."""
+    """monitor.launcher's agent with what tests wait for; wait_judged()'s sentinels are left
+    out of what it shows."""
+
+    def metric(self, name: str, **labels) -> float | None:
+        """The value of the sample `name` whose labels include `labels`, summed over matches;
+        None if no sample matches. `name` is the sample name, e.g. ..._total or ..._bucket.
+        Samples of wait_judged()'s SENTINEL_JOB are left out."""
+        values = [s.value for s in self.samples()
+                  if s.name == name and all(s.labels.get(k) == str(v) for k, v in labels.items())
+                  and s.labels.get("training_job") != SENTINEL_JOB]
+        return sum(values) if values else None
+
+    def journal_records(self) -> list[dict]:
+        """Every journal record so far (rotated files first), wait_judged()'s sentinels left
+        out."""
+        sentinels = os.path.join(os.path.dirname(self.journal), SENTINEL_DIR) + os.sep
+        return [r for r in super().journal_records()
+                if not str(r.get("path", "")).startswith(sentinels)]
+
+    def _all_records(self) -> list[dict]:
+        return super().journal_records()
+
 
     def wait_for_collision(self, timeout: float = 15.0, count: int = 1) -> dict:
         """Wait until the journal holds `count` collision records; return the last one."""
@@ -27,6 +55,40 @@ class AgentProcess(launcher.AgentProcess):
                          timeout=timeout, message=f"{count} collision(s) in {self.journal}; "
                                                   f"agent log:\n{self.log}")
         return found[count - 1]
+
+    def wait_judged(self, timeout: float = 30.0) -> None:
+        """Wait until the agent has judged everything it received before this call: the
+        positive signal that proves an absence (no collision, no second collision).
+
+        A sentinel collision -- two processes of SENTINEL_JOB overlapping on a path of its
+        own, sent now -- is final `settle` after its last end, like any concurrent group. The
+        detector finalizes in due order and the journal is flushed every tick, so once the
+        sentinel is journaled, every group whose writes ended before it was sent is final and
+        in the journal and the metrics. (A write record would not do: writes are journaled
+        when they end, their collisions only after `settle`.) journal_records(), collisions()
+        and metric() leave the sentinel out; job-less metrics (events received, tracked
+        paths) and verifications of job "" count it."""
+        path = os.path.join(os.path.dirname(self.journal), SENTINEL_DIR, uuid.uuid4().hex)
+        with EventSender(self.socket, path, rank=0, job=SENTINEL_JOB) as a, \
+                EventSender(self.socket, path, rank=1, job=SENTINEL_JOB) as b:
+            a.start()
+            b.start()
+            a.end()
+            b.end()
+            # Both stay alive until it is judged: a dead writer's open write would be "lost".
+            wait_for(lambda: any(r.get("type") == "collision" and r.get("path") == path
+                                 for r in self._all_records()),
+                     timeout=timeout, message=f"the sentinel collision; agent log:\n{self.log}")
+
+    def wait_idle(self, timeout: float = 60.0) -> None:
+        """Wait until the detector holds nothing (ckptwatch_tracked_paths 0: every group and
+        chain final and forgotten, every write ended), then until that last tick's findings are
+        journaled (wait_judged). With a short --collision.window this proves that no redundant
+        chain is still open; with the default 60 s window it would wait a minute."""
+        wait_for(lambda: self.metric("ckptwatch_tracked_paths") == 0
+                 and not self.metric("ckptwatch_active_writes"),
+                 timeout=timeout, message=f"the detector idle; agent log:\n{self.log}")
+        self.wait_judged()
 
 
 def _agent(workdir: str, extra_args, window, socket, port, log_name) -> AgentProcess:

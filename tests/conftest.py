@@ -1,3 +1,4 @@
+import importlib.util
 import os
 import sys
 import threading
@@ -6,6 +7,15 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from helpers import remove_tree, short_tmpdir  # noqa: E402
+
+# Tiers (markers registered in pyproject.toml): `-m "not e2e"` is the fast tier; a test marked
+# `torch` skips, with the reason, where torch is not installed instead of failing.
+_HAVE_TORCH = importlib.util.find_spec("torch") is not None
+
+
+def pytest_runtest_setup(item):
+    if not _HAVE_TORCH and item.get_closest_marker("torch") is not None:
+        pytest.skip("needs torch (pip install -r requirements-test.txt)")
 
 
 @pytest.fixture

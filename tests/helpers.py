@@ -22,12 +22,6 @@ def wait_for(predicate, timeout: float = 10.0, interval: float = 0.02, message: 
         time.sleep(interval)
 
 
-def wait_past_settle(settle: float) -> None:
-    """Proving an absence needs a wait: several times the agent's settle time, after which a
-    collision, had there been one, would have been final and journaled."""
-    time.sleep(settle * 4)
-
-
 def short_tmpdir(prefix: str = "cw") -> str:
     """A short directory under /tmp: Unix socket paths must stay below 108 bytes."""
     return tempfile.mkdtemp(prefix=prefix, dir="/tmp")

@@ -32,6 +32,7 @@ class Receiver:
         self.rejects: list[str] = []
         self.peer_pids: list[int] = []     # peer pid of each event, parallel to events
         self.connections = 0
+        self.closed_peers: list[int] = []  # peer pid of each connection read to its end
         self._thread: threading.Thread | None = None
         self._listener: socket.socket | None = None
         self._wake_r = self._wake_w = None
@@ -89,6 +90,27 @@ class Receiver:
                              and [e for e in evs if e["type"] == kind],
                              timeout=timeout, message=f"{count} {kind!r} events")
 
+    def wait_drained(self, timeout: float = 10.0) -> None:
+        """Wait until every client so far has been read to its end: the positive signal that
+        proves an absence once the clients have exited (no event can still be in transit).
+
+        A probe connection of our own tells a client that never got accepted from one not yet
+        accepted: connections are accepted in arrival order, so once the probe is seen closed
+        every earlier connection has been accepted, and once every accepted connection is
+        closed, all their bytes were read."""
+        me = os.getpid()
+        with self._lock:
+            probes = self.closed_peers.count(me)
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        probe.connect(self.path)
+        probe.close()
+
+        def drained() -> bool:
+            with self._lock:
+                return (self.closed_peers.count(me) > probes
+                        and len(self.closed_peers) == self.connections)
+        wait_for(drained, timeout=timeout, message="every client read to its end")
+
     # ---- server thread ---------------------------------------------------------------------
 
     def _serve(self) -> None:
@@ -129,6 +151,8 @@ class Receiver:
                         sel.unregister(conn)
                         conn.close()
                         del conns[conn]
+                        with self._lock:
+                            self.closed_peers.append(pid)
                         continue
                     self._feed(reader, data, pid)
         finally:

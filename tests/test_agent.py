@@ -36,6 +36,7 @@ def overlapping_writes(agent, path: str, job: str = "job-e2e") -> tuple[int, int
         return a.pid, b.pid
 
 
+@pytest.mark.e2e
 def test_collision_in_journal_metrics_and_log(workdir):
     with start_agent(workdir, *FAST) as agent:
         assert agent.get("/healthz")[0] == 200
@@ -66,6 +67,7 @@ def base_event(pid: int) -> dict:
             "path": "/ckpt/x.pt", "wall": 1.0, "mono": 1.0}
 
 
+@pytest.mark.e2e
 def test_bad_input_counted_and_collisions_still_detected(workdir):
     rng = random.Random(7)
     with start_agent(workdir, *FAST) as agent:
@@ -104,6 +106,7 @@ def test_bad_input_counted_and_collisions_still_detected(workdir):
         assert agent.metric("ckptwatch_collisions_total", kind="concurrent") == 1
 
 
+@pytest.mark.e2e
 def test_sigterm_stops_cleanly_and_flushes_pending_collision(workdir):
     # settle of 60 s: the collision can only reach the journal through the shutdown flush.
     agent = start_agent(workdir, "--collision.settle", "60")
@@ -119,12 +122,14 @@ def test_sigterm_stops_cleanly_and_flushes_pending_collision(workdir):
         agent.close()
 
 
+@pytest.mark.e2e
 def test_sigint_also_stops_cleanly(workdir):
     with start_agent(workdir) as agent:
         assert agent.stop(signal.SIGINT) == 0
         assert not os.path.exists(agent.socket)
 
 
+@pytest.mark.e2e
 def test_second_agent_on_live_socket_exits_1(workdir):
     with start_agent(workdir) as first:
         second = launch_agent(workdir, socket=first.socket, log_name="second.log")
@@ -141,6 +146,7 @@ def test_second_agent_on_live_socket_exits_1(workdir):
             wait_for(lambda: first.metric("ckptwatch_events_received_total") == 1)
 
 
+@pytest.mark.e2e
 def test_stale_socket_of_killed_agent_is_replaced(workdir):
     killed = start_agent(workdir)
     try:
@@ -155,6 +161,7 @@ def test_stale_socket_of_killed_agent_is_replaced(workdir):
         killed.close()
 
 
+@pytest.mark.e2e
 def test_port_in_use_exits_1(workdir):
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as busy:
         busy.bind(("127.0.0.1", 0))
@@ -197,6 +204,7 @@ def test_health_fails_when_ingest_thread_is_gone(tmp_path, sockdir, no_thread_le
     assert health() == (False, "ingest thread is not running")
 
 
+@pytest.mark.e2e
 def test_unusable_journal_path_exits_1(workdir):
     blocker = os.path.join(workdir, "not-a-dir")
     with open(blocker, "w") as fh:
@@ -223,6 +231,8 @@ for line in sys.stdin:                      # one save per line from the test
 """
 
 
+@pytest.mark.torch
+@pytest.mark.e2e
 def test_instrumented_process_keeps_reporting_across_an_agent_restart(workdir, sockdir):
     """The real hook in a real Python process, the real agent stopped and started again on the
     same socket: the process never notices, and the new agent gets its later saves."""
@@ -273,6 +283,8 @@ with open(bad, "r+b") as f:
 """
 
 
+@pytest.mark.torch
+@pytest.mark.e2e
 def test_agent_verifies_finished_checkpoints_and_flags_a_torn_one(workdir, sockdir):
     pytest.importorskip("torch")
     from helpers import subprocess_env
@@ -294,6 +306,7 @@ def test_agent_verifies_finished_checkpoints_and_flags_a_torn_one(workdir, sockd
     assert "corrupt checkpoint " + os.path.join(out, "torn.pt") in agent.log
 
 
+@pytest.mark.e2e
 def test_different_processes_leaving_different_sizes_is_a_size_fluctuation(workdir):
     path = "/ckpt/sizes/last.pt"
     with start_agent(workdir, *FAST) as agent:
@@ -353,3 +366,13 @@ def test_agent_stop_finalises_pending_collisions_and_removes_its_socket(workdir,
     (collision,) = [r for r in read_records(journal) if r["type"] == "collision"]
     assert collision["kind"] == "concurrent" and \
         [w["pid"] for w in collision["writers"]] == [11, 12]
+@pytest.mark.e2e
+def test_wait_judged_returns_only_after_a_pending_collision_is_journaled(workdir):
+    """The absence tests rest on AgentProcess.wait_judged(): it must not return while a
+    finding about earlier events is still pending (here: a collision in its 4 s settle)."""
+    with start_agent(workdir, "--collision.settle", "4") as agent:
+        path = os.path.join(workdir, "model.pt")
+        overlapping_writes(agent, path)
+        assert agent.collisions() == []          # still settling
+        agent.wait_judged()
+        assert [c["path"] for c in agent.collisions()] == [path]

@@ -139,6 +139,7 @@ def test_failed_torch_import_is_untouched_and_a_retry_is_patched(fake_torch, tmp
     assert result == {"first": "fake torch failed to import", "installed": True}
 
 
+@pytest.mark.torch
 def test_real_torch_is_patched_right_after_import(sock, tmp_path):
     with Receiver(sock) as rx:
         result = run("""

@@ -8,6 +8,8 @@ from helpers import REPO_ROOT, subprocess_env
 
 pytest.importorskip("torch")
 
+pytestmark = [pytest.mark.e2e, pytest.mark.torch]
+
 
 def test_demo_reports_the_buggy_job_and_not_the_fixed_one():
     result = subprocess.run([sys.executable, "-m", "monitor.cli", "demo"], cwd=REPO_ROOT,

@@ -7,7 +7,6 @@ import contextlib
 import os
 import subprocess
 import sys
-import time
 import uuid
 
 import pytest
@@ -17,6 +16,8 @@ from helpers import REPO_ROOT, remove_tree, short_tmpdir, wait_for
 
 pytest.importorskip("torch")
 pytest.importorskip("watchdog")
+
+pytestmark = [pytest.mark.e2e, pytest.mark.torch]
 
 NPROC = 4
 
@@ -84,8 +85,8 @@ def test_every_rank_saving_is_a_collision_seen_by_the_filesystem_alone(watched):
     out = os.path.join(root, "every")
     job = torchrun(out, "every-rank")
     path = os.path.join(out, "last.pt")
-    found = wait_for(lambda: collisions(agent, path), timeout=30, message="fs collision")
-    time.sleep(2.0)
+    wait_for(lambda: collisions(agent, path), timeout=30, message="fs collision")
+    agent.wait_judged()                   # a second collision for the same save would show now
     found = collisions(agent, path)
     writers = [w for c in found for w in c["writers"]]
     if attribution == "fanotify":
@@ -121,7 +122,7 @@ def test_rank0_alone_is_not_a_collision_for_the_filesystem_either(watched):
         (w,) = [r for r in agent.journal_records()
                 if r.get("type") == "write" and r["path"] == path]
         assert (w["rank"], w["source"]) == (0, "fs")
-    time.sleep(2.5)                       # settle + merger delay: an absence needs a wait
+    agent.wait_judged()                   # everything it saw is judged: proves the absence
     assert collisions(agent, path) == []
     assert not agent.metric("ckptwatch_collisions_total", kind="concurrent")
 
@@ -132,8 +133,8 @@ def test_with_the_hook_too_one_collision_names_both_sources(watched):
     out = os.path.join(root, "both")
     torchrun(out, "every-rank", hook_socket=agent.socket)
     path = os.path.join(out, "last.pt")
-    found = wait_for(lambda: collisions(agent, path), timeout=30, message="collision")
-    time.sleep(2.0)                       # a second collision for the same save would show now
+    wait_for(lambda: collisions(agent, path), timeout=30, message="collision")
+    agent.wait_judged()                   # a second collision for the same save would show now
     found = collisions(agent, path)
     assert len(found) == 1, found
     c = found[0]
@@ -203,7 +204,9 @@ def test_reading_a_checkpoint_while_another_process_writes_it_is_a_torn_read(wat
     path = os.path.join(root, "being-written.pt")
     env = _clean_env()
     with holding_open(path, "torn"):
-        time.sleep(0.3)                 # let the watcher attribute the writer first
+        # The watcher has attributed the writer first: its write is in flight at the agent.
+        wait_for(lambda: agent.metric("ckptwatch_active_writes", job="torn"), timeout=15,
+                 message="the writer's write in flight")
         reader = subprocess.run([sys.executable, "-c", READER, path], capture_output=True,
                                 text=True, env={**env, "CKPTWATCH_JOB": "eval"}, timeout=30)
         assert reader.stdout == "reading\n"
@@ -276,7 +279,7 @@ def test_atomic_saves_by_two_ranks_are_redundant_never_concurrent():
                             message="redundant collision")
             assert c["kind"] == "redundant" and c["sources"] == ["fs"]
             assert sorted(w["rank"] for w in c["writers"]) == [0, 1]
-            time.sleep(1.0)
+            agent.wait_judged()
             assert not agent.metric("ckptwatch_collisions_total", kind="concurrent")
             writes = [r for r in agent.journal_records()
                       if r.get("type") == "write" and r["path"] == dest]

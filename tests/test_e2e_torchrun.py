@@ -14,16 +14,16 @@ import uuid
 import pytest
 
 from agentproc import start_agent
-from helpers import REPO_ROOT, remove_tree, short_tmpdir, wait_for, wait_past_settle
+from helpers import REPO_ROOT, remove_tree, short_tmpdir, wait_for
 
 torch = pytest.importorskip("torch")
+
+pytestmark = [pytest.mark.e2e, pytest.mark.torch]
 
 NPROC = 4
 SETTLE = 0.5
 
 
-def settle() -> None:
-    wait_past_settle(SETTLE)
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +88,7 @@ def test_every_rank_saving_one_path_is_one_concurrent_collision_naming_all_ranks
                           timeout=30, message="verification record")[0]
         assert record["result"] == "corrupt" and record["collision_id"] == c["id"]
     else:
-        settle()
+        agent.wait_judged()
         assert not [r for r in agent.journal_records()
                     if r.get("type") == "verification" and r["path"] == path]
 
@@ -121,8 +121,8 @@ def test_global_rank0_guard_is_not_a_collision(agent):
     w = writes_of(agent, job)[0]
     assert w["rank"] == 0 and w["path"] == os.path.join(out, "last.pt")
     assert w["outcome"] == "ok" and w["bytes"] == os.path.getsize(w["path"])
-    # Give the detector longer than its settle time to (wrongly) report anything.
-    settle()
+    # Wait until the agent has judged the job: it would have (wrongly) reported by now.
+    agent.wait_judged()
     assert collisions_of(agent, job) == []
     assert not agent.metric("ckptwatch_collisions_total", training_job=job, kind="concurrent",
                             scope="node")
@@ -134,7 +134,7 @@ def test_each_rank_its_own_path_is_not_a_collision(agent):
     wait_for(lambda: len(writes_of(agent, job)) == NPROC, timeout=30, message="4 write records")
     paths = {w["path"] for w in writes_of(agent, job)}
     assert paths == {os.path.join(out, f"last-rank{r}.pt") for r in range(NPROC)}
-    settle()
+    agent.wait_judged()
     assert collisions_of(agent, job) == []
 
 

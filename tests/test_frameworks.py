@@ -11,23 +11,22 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 import uuid
 
 import pytest
 
 from agentproc import start_agent
-from helpers import REPO_ROOT, remove_tree, short_tmpdir, wait_for, wait_past_settle
+from helpers import REPO_ROOT, remove_tree, short_tmpdir, wait_for
 
 torch = pytest.importorskip("torch")
+
+pytestmark = [pytest.mark.e2e, pytest.mark.torch]
 
 SCRIPTS = os.path.join(REPO_ROOT, "tests", "frameworks")
 SETTLE = 0.5
 TORCHRUN = (sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2")
 
 
-def settle() -> None:
-    wait_past_settle(SETTLE)
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +85,7 @@ def test_transformers_trainer_checkpoints_are_recorded_and_not_a_collision(agent
     writes = wait_for(lambda: len(records_of(agent, job, "write")) >= len(expected)
                       and records_of(agent, job, "write"),
                       timeout=30, message=f"{len(expected)} write records of {job}")
-    settle()
+    agent.wait_judged()
     writes = records_of(agent, job, "write")
     assert {w["path"]: w["rank"] for w in writes} == expected
     assert len(writes) == len(expected), [(w["path"], w["rank"]) for w in writes]
@@ -115,7 +114,7 @@ def test_accelerate_save_state_is_not_a_collision(agent, outdir):
                 os.path.join(state, "random_states_1.pkl"): 1}
     wait_for(lambda: len(records_of(agent, job, "write")) >= len(expected), timeout=30,
              message=f"{len(expected)} write records of {job}")
-    settle()
+    agent.wait_judged()
     writes = records_of(agent, job, "write")
     assert {w["path"]: w["rank"] for w in writes} == expected
     assert len(writes) == len(expected)
@@ -132,7 +131,7 @@ def test_accelerate_unguarded_torch_save_is_one_concurrent_collision(agent, outd
     job = run_job(agent, "acc-bug", [*TORCHRUN, script, "--out", outdir, "--save", "unguarded"])
     found = wait_for(lambda: records_of(agent, job, "collision"), timeout=30,
                      message=f"collision record of {job}; agent log:\n{agent.log[-3000:]}")
-    settle()
+    agent.wait_judged()
     found = records_of(agent, job, "collision")
     assert len(found) == 1, found
     c = found[0]
@@ -166,7 +165,7 @@ def lightning_run(agent):
     wait_for(lambda: len([w for w in records_of(agent, job, "write")
                           if "probe-rank" in w["path"]]) == 2,
              timeout=30, message=f"probe writes of {job}")
-    settle()
+    agent.wait_judged()
     yield job, out
     remove_tree(out)
 
@@ -247,7 +246,7 @@ def test_unguarded_safetensors_save_is_whole_and_at_most_a_redundant_write(
         assert c["kind"] == "redundant" and c["sources"] == ["fs"]
         assert sorted(w["rank"] for w in c["writers"]) == [0, 1]      # both ranks
     else:
-        settle()
+        agent.wait_judged()
     assert not agent.metric("ckptwatch_collisions_total", kind="concurrent")
     assert not agent.metric("ckptwatch_checkpoint_verifications_total", result="corrupt")
     from safetensors.torch import load_file
@@ -266,7 +265,7 @@ def test_watcher_sees_lightning_checkpoints_and_no_collision(watching_agent, out
         gone = agent.metric("ckptwatch_checkpoint_verifications_total", result="gone") or 0
         return ok >= 2 and ok + gone >= 3
     wait_for(verified, timeout=30, message="verified .ckpt files")
-    settle()
+    agent.wait_judged()
     assert not [r for r in agent.journal_records() if r.get("type") == "collision"]
     assert not agent.metric("ckptwatch_checkpoint_verifications_total", result="corrupt")
     assert job
@@ -285,7 +284,7 @@ def test_watcher_and_hook_on_the_trainer_raise_no_false_alarm(watching_agent, ou
     models = [os.path.join(out, f"checkpoint-{step}", "model.safetensors") for step in (2, 4)]
     wait_for(lambda: (agent.metric("ckptwatch_checkpoint_verifications_total", result="ok")
                       or 0) >= 10, timeout=30, message="the checkpoints verified")
-    time.sleep(3 + 1.0 + 1.5)            # window + settle + margin: chains would close now
+    agent.wait_idle()                    # every chain closed (window 3 s): nothing pending
     assert not [r for r in agent.journal_records() if r.get("type") == "collision"]
     assert not agent.metric("ckptwatch_collisions_total")
     assert not agent.metric("ckptwatch_size_fluctuations_total")

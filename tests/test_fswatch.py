@@ -494,6 +494,7 @@ def test_two_real_writers_of_one_path_overlap(tmp_path, pipeline_watch):
         _reap(*(p for p in (a, b) if p is not None))
 
 
+@pytest.mark.torch
 def test_plain_torch_save_truncating_its_own_file_is_no_fluctuation(tmp_path, pipeline_watch):
     pipe = pipeline_watch
     path = str(tmp_path / "model.pt")

@@ -15,6 +15,8 @@ import pytest
 from helpers import subprocess_env
 from receiver import Receiver
 
+pytestmark = [pytest.mark.torch]
+
 PY = sys.executable
 
 
@@ -156,7 +158,7 @@ def test_uninstall_leaves_a_later_foreign_wrapper_alone(rx, sock, workdir):
     assert result == {"restored": True, "torch_save_is_theirs": True,
                       "serialization_restored": True, "reinstalled": True, "calls": 2}
     rx.wait_count("end", 1)
-    time.sleep(0.2)   # give a (wrong) second pair the chance to show up
+    rx.wait_drained()   # the child has exited: a (wrong) second pair would be here now
     assert [(e["type"], os.path.basename(e["path"])) for e in rx.events] == \
         [("start", "loud.pt"), ("end", "loud.pt")]
 
@@ -227,7 +229,7 @@ def test_path_kinds_and_file_objects(rx, sock, workdir):
         """, sock)
     assert result["bytes_error"] == "AttributeError" and result["buffer_written"]
     ends = rx.wait_count("end", 4)
-    time.sleep(0.2)
+    rx.wait_drained()
     got = {os.path.basename(e["path"]): e for e in rx.of_type("end")}
     assert set(got) == {"rel.pt", "pathlike.pt", "bytes.pt", "fileobj.pt"}
     assert all(e["path"] == os.path.join(workdir, name) for name, e in got.items())
@@ -250,7 +252,7 @@ def test_many_saves_into_one_open_file_are_one_write(rx, sock, workdir):
         """, sock)
     assert result["reported"] == 2 and result["coalesced"] == 199
     rx.wait_count("end", 2)
-    time.sleep(0.2)
+    rx.wait_drained()
     assert len(rx.events) == 4
 
 
@@ -351,7 +353,7 @@ def test_disabled_install_is_a_no_op(rx, sock, workdir):
                           "installed": hook.is_installed()}))
         """, sock, CKPTWATCH_DISABLE="1")
     assert result == {"ok": False, "untouched": True, "installed": False}
-    time.sleep(0.2)
+    rx.wait_drained()
     assert rx.events == []
 
 
@@ -379,7 +381,7 @@ def test_from_torch_import_save_before_install_keeps_the_original(rx, sock, work
         """, sock)
     assert result == {}
     rx.wait_count("end", 1)
-    time.sleep(0.2)
+    rx.wait_drained()
     assert {os.path.basename(e["path"]) for e in rx.events} == {"seen.pt"}
 
 
@@ -410,7 +412,7 @@ def test_torch_distributed_checkpoint_shard_is_one_write(rx, sock, workdir):
         """, sock)
     assert result["reported"] == 1 and result["coalesced"] == 49, result
     rx.wait_count("end", 1)
-    time.sleep(0.2)
+    rx.wait_drained()
     assert [(e["type"], e["path"]) for e in rx.events] == [
         ("start", os.path.join(workdir, "dcp", result["shards"][0])),
         ("end", os.path.join(workdir, "dcp", result["shards"][0]))]

@@ -5,6 +5,8 @@ import socket
 import subprocess
 import sys
 
+import pytest
+
 from helpers import REPO_ROOT, subprocess_env
 from ckptwatch import identity as identity_mod
 from ckptwatch.identity import from_environ
@@ -151,6 +153,7 @@ print(json.dumps({"torch": "torch" in sys.modules}))
     assert result == {"torch": False}
 
 
+@pytest.mark.torch
 def test_falls_back_to_initialised_torch_distributed():
     port = __import__("helpers").free_port()
     result = _run(f"""

@@ -295,13 +295,22 @@ def test_backlog_above_the_limit_pauses_reading_until_the_consumer_catches_up(so
                                                                                no_thread_leak):
     got, rejects = [], []
     backlog = [10]   # the consumer's queue, as the daemon's Inbox would report it
+    asked = [0]      # how often the server thread looked at the backlog
+
+    def consumer_backlog() -> int:
+        asked[0] += 1
+        return backlog[0]
+
     srv = IngestServer(os.path.join(sockdir, "bp.sock"), None, rejects.append,
-                       on_events=got.extend, backlog=lambda: backlog[0], max_backlog=5)
+                       on_events=got.extend, backlog=consumer_backlog, max_backlog=5)
     srv.start()
     try:
         with connect(srv.path) as sock:
             sock.sendall(b"".join(events.encode(start_event(seq=i)) for i in range(50)))
-            time.sleep(0.3)      # proving an absence: nothing may be read while backed up
+            # Proving an absence: the server thread went round its loop many times with the
+            # frames waiting on the socket, still backed up, and read none of them.
+            seen = asked[0]
+            wait_for(lambda: asked[0] >= seen + 20 or got, message="the server looping")
             assert got == []
             backlog[0] = 0
             wait_for(lambda: len(got) == 50, message="events after the backlog cleared")

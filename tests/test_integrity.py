@@ -13,12 +13,15 @@ import time
 import zipfile
 
 import pytest
-import torch
 
-import corpus
+torch = pytest.importorskip("torch", reason="needs torch (pip install -r requirements-test.txt)")
+
+import corpus  # noqa: E402  (after the torch skip)
 from monitor.verify import integrity
 from monitor.verify import picklescan
 from monitor.verify.integrity import CORRUPT, OK, UNVERIFIABLE, verify
+
+pytestmark = [pytest.mark.torch]
 
 
 @pytest.fixture(scope="module")
@@ -88,6 +91,7 @@ def test_distributed_checkpoint_shards(tmp_path):
 
 # ---------------------------------------------------------------------------- real races
 
+@pytest.mark.e2e
 def test_real_races_are_flagged(races):
     directory, paths = races
     torn, rejected, singles = [], [], []
@@ -118,6 +122,7 @@ def test_real_races_are_flagged(races):
         assert verify(os.path.join(directory, f"ref-rank{rank}.pt"), deep=True).status == OK
 
 
+@pytest.mark.e2e
 def test_race_verdicts_name_a_record_and_the_cause(races):
     _, paths = races
     reasons = [verify(p).reason for p in paths if verify(p).status == CORRUPT]
@@ -448,6 +453,7 @@ def test_zip64_records_are_understood(clean, tmp_path):
     assert v.status == OK, v
 
 
+@pytest.mark.e2e
 def test_demo_job_race(tmp_path):
     """The product's own demo job (every rank saves last.pt) under real torchrun: if the file
     is torn, the structural check (torch.load fails) or the deep check (not one rank's save,

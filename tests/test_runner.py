@@ -60,6 +60,7 @@ def test_non_executable_file_exits_126(tmp_path, capsys):
     assert "cannot execute" in capsys.readouterr().err
 
 
+@pytest.mark.torch
 def test_run_execs_a_real_python_child_with_the_hook_active(sock, tmp_path):
     child_code = textwrap.dedent("""
         import os, sys, torch
@@ -80,6 +81,8 @@ def test_run_execs_a_real_python_child_with_the_hook_active(sock, tmp_path):
         assert start["seq"] == end["seq"]
 
 
+@pytest.mark.e2e
+@pytest.mark.torch
 def test_torchrun_ranks_report_their_identity(sock, tmp_path):
     script = tmp_path / "train.py"
     script.write_text(textwrap.dedent("""

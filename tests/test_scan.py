@@ -9,11 +9,14 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
-import corpus
+torch = pytest.importorskip("torch", reason="needs torch (pip install -r requirements-test.txt)")
+
+import corpus  # noqa: E402  (after the torch skip)
 from helpers import REPO_ROOT, subprocess_env
 from monitor.cli import scan
+
+pytestmark = [pytest.mark.torch]
 
 
 @pytest.fixture

@@ -44,6 +44,7 @@ def torch():
     return pytest.importorskip("torch")
 
 
+@pytest.mark.torch
 def test_verify_real_files(tmp_path, torch):
     good = tmp_path / "good.pt"
     torch.save({"w": torch.arange(10_000)}, good)
@@ -61,6 +62,7 @@ def test_verify_real_files(tmp_path, torch):
     assert Verifier(deep_max_bytes=10).verify(str(good)).deep is False
 
 
+@pytest.mark.torch
 def test_worker_thread_verifies_submitted_paths(tmp_path, torch, no_thread_leak):
     path = tmp_path / "x.pt"
     torch.save({"a": 1}, path)
@@ -80,6 +82,7 @@ def test_a_full_queue_skips_and_counts(tmp_path):
     assert v.skipped_total == 2
 
 
+@pytest.mark.torch
 def test_the_same_bytes_are_verified_once(tmp_path, torch):
     path = tmp_path / "x.pt"
     torch.save({"a": 1}, path)

@@ -1,0 +1,43 @@
+"""The import boundaries (pyproject.toml [tool.importlinter], docs/architecture.md) hold.
+
+import-linter checks the declared contracts; the stdlib-only rule for ckptwatch is also checked
+positively here, on import-linter's own import graph (grimp), because a forbidden list can only
+name the third-party packages someone thought of.
+"""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from helpers import REPO_ROOT, subprocess_env
+
+pytest.importorskip("importlinter", reason="import-linter not installed (requirements-test.txt)")
+import grimp  # noqa: E402  (import-linter's graph builder, installed with it)
+
+
+def _lint_imports() -> subprocess.CompletedProcess:
+    # The console script sits next to the interpreter running the tests (venv) or on PATH.
+    script = os.path.join(os.path.dirname(sys.executable), "lint-imports")
+    cmd = [script] if os.path.exists(script) else ["lint-imports"]
+    return subprocess.run(cmd + ["--no-cache"], cwd=REPO_ROOT, env=subprocess_env(),
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_import_contracts_are_kept():
+    result = _lint_imports()
+    assert result.returncode == 0, f"import contracts broken:\n{result.stdout}\n{result.stderr}"
+    # The configuration was read: with no contracts lint-imports would also exit 0.
+    kept = re.search(r"Contracts: (\d+) kept, 0 broken", result.stdout)
+    assert kept and int(kept.group(1)) >= 4, result.stdout
+
+
+def test_ckptwatch_imports_only_the_standard_library():
+    graph = grimp.build_graph("ckptwatch", include_external_packages=True)
+    outside = {m for m in graph.modules if m != "ckptwatch" and not m.startswith("ckptwatch.")}
+    not_stdlib = sorted(m for m in outside
+                        if m not in sys.stdlib_module_names and m != "__future__")
+    assert not_stdlib == [], f"ckptwatch imports non-stdlib modules: {not_stdlib}"
