@@ -345,7 +345,10 @@ def _collision_how(c: Collision) -> str:
     """4 writers overlapped 154ms / 2 writers one after another over 3.00s"""
     n = _plural(len(c.writers), "writer")
     if c.kind == KIND_CONCURRENT:
-        return f"{n} overlapped {_seconds(c.overlap_seconds)}"
+        last = c.last.writer
+        who = f"rank {last.rank}" if last.rank is not None else f"pid {last.pid}"
+        return (f"{n} overlapped {_seconds(c.overlap_seconds)}, last to finish {who} on "
+                f"{last.node}")
     span = max(_end(w) for w in c.writes) - c.first.start_wall
     return f"{n} one after another over {_seconds(span)}"
 
@@ -359,7 +362,7 @@ def _collision_rows(collisions: list, anchors: dict) -> list:
                           for w in writers[:MAX_WRITERS_LISTED])
         if len(writers) > MAX_WRITERS_LISTED:
             names += f", and {len(writers) - MAX_WRITERS_LISTED} more"
-        how = _collision_how(c).split(" ", 2)[2]
+        how = _collision_how(c).split(" ", 2)[2].split(", last")[0]
         anchor = anchors.get(c.path)
         path = f"<code>{_text(c.path, tail=True)}</code>"
         if anchor:
@@ -470,9 +473,11 @@ table { border-collapse: collapse; width: 100%; margin: 6px 0 4px; font-size: 13
 th, td { text-align: left; vertical-align: top; padding: 4px 8px;
   border-bottom: 1px solid var(--rule); }
 th { background: var(--band); font-weight: 600; white-space: nowrap; }
-td { overflow-wrap: anywhere; }
+td { overflow-wrap: break-word; }
 td:first-child { white-space: nowrap; }
 table.collisions td:nth-child(2) { min-width: 16em; }
+table.collisions td:nth-child(7) { min-width: 13em; }
+table.collisions td:last-child code { white-space: nowrap; font-size: 11.5px; }
 .more { color: var(--muted); font-style: italic; margin: 2px 0 10px; }
 .none { color: var(--muted); }
 @media print {
@@ -494,19 +499,24 @@ def _legend() -> str:
 
 
 def _paths(summary: JournalSummary) -> list:
-    """(path, writes, collisions) to chart, those with collisions first (most recent
-    collision first), then the others by their last write, newest first."""
+    """(path, writes, collisions) to chart: paths with a concurrent collision or a corrupt
+    verdict first, then those with redundant collisions (most recent collision first), then
+    the others by their last write, newest first."""
     by_path: dict = {}
     for w in summary.kept_writes.values():
         by_path.setdefault(w.path, ([], []))[0].append(w)
     for c in summary.collisions:
         by_path.setdefault(c.path, ([], []))[1].append(c)
 
+    corrupt = {v.get("path") for v in summary.verdicts if v.get("result") == "corrupt"}
+
     def order(item):
         path, (writes, collisions) = item
         last = max((_end(w) for w in writes), default=0.0)
         latest = max((c.first.start_wall for c in collisions), default=0.0)
-        return (bool(collisions), latest, last)
+        severity = 2 if path in corrupt or any(c.kind == KIND_CONCURRENT for c in collisions) \
+            else 1 if collisions else 0
+        return (severity, latest, last)
 
     return [(p, ws, cs) for p, (ws, cs) in sorted(by_path.items(), key=order, reverse=True)]
 
@@ -523,6 +533,7 @@ def render_html(summary: JournalSummary, now: float | None = None) -> str:
     collisions = summary.collisions
     n_conc = sum(1 for c in collisions if c.kind == KIND_CONCURRENT)
     corrupt = sum(1 for v in summary.verdicts if v.get("result") == "corrupt")
+    n_sizes = sum(1 for f in summary.findings if f.get("type") == "size_fluctuation")
     title = (f"{_plural(len(collisions), 'collision')} on "
              f"{_plural(len({c.path for c in collisions}), 'path')}") if collisions \
         else "no collisions"
@@ -539,7 +550,8 @@ def render_html(summary: JournalSummary, now: float | None = None) -> str:
                         f"{_plural(len({w.writer.key for w in summary.kept_writes.values()}), 'process')}"),
              ("collisions", f"{len(collisions)} ({n_conc} concurrent, "
                             f"{len(collisions) - n_conc} redundant)"),
-             ("findings", f"{len(summary.findings)} size fluctuations and torn reads, "
+             ("findings", f"{_plural(n_sizes, 'size fluctuation')}, "
+                          f"{_plural(len(summary.findings) - n_sizes, 'torn read')}, "
                           f"{len(summary.others)} other"),
              ("verdicts", f"{corrupt} corrupt, {len(summary.verdicts) - corrupt} unverifiable"),
              ("journal", ", ".join(f"<code>{_text(j, tail=True)}</code>"
