@@ -203,7 +203,7 @@ def test_hostile_values_do_not_break_the_page(tmp_path):
     records = [{"type": "write", **good.to_record()}]
     for bad in ({"start_wall": "soon"}, {"start_wall": float("nan")}, {"duration": -5},
                 {"start_wall": 1e300}, {"pid": "1"}, {"path": ["/x"]}, {"end_wall": 0},
-                {"rank": 1.5}):
+                {"rank": 1.5}, {"start_wall": 1e300, "end_wall": None, "duration": None}):
         records.append({"type": "write", **{**good.to_record(), **bad}})
     bad_collision = incident.Collision(path="/ok.pt", kind="concurrent",
                                        writes=(good, good)).to_record()
@@ -215,9 +215,9 @@ def test_hostile_values_do_not_break_the_page(tmp_path):
             fh.write(json.dumps(rec) + "\n")
     summary = summarize(str(journal))
     assert len(summary.kept_writes) == 1 and summary.collisions == []
-    assert summary.malformed == 10
+    assert summary.malformed == 11
     page = render_html(summary)
-    assert "10 unreadable lines skipped" in page
+    assert "11 unreadable lines skipped" in page
 
 
 def test_output_is_bounded_with_a_note(tmp_path, monkeypatch):
