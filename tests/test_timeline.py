@@ -140,7 +140,7 @@ def test_hover_text_collision_findings_verdicts_and_unknown_records(incident_pag
     text = " ".join(" ".join(page.text).split())
     assert "guard this call site with a global-rank-0 check" in text
     assert "LOCAL_RANK == 0 is one writer per node" in text
-    assert "finished sizes differ: 3.1GiB then 3.1GiB" in text
+    assert "finished sizes differ: 3,370,000,000 bytes then 3,369,995,904 bytes" in text
     assert "record last/data.pkl: the CRC written after its data differs" in text
     assert "CORRUPT: torn" in text
     # the hazard record (a type this report does not know) is shown generically

@@ -384,9 +384,12 @@ def _finding_rows(findings: list) -> list:
             + f" pid {_text(w.get('pid'), 12)}" for w in writers[:MAX_WRITERS_LISTED]
             if isinstance(w, dict))
         if f.get("type") == "size_fluctuation":
+            before, after = _int(f.get("size_before")), _int(f.get("size_after"))
+            sizes = (human_bytes(before), human_bytes(after))
+            if sizes[0] == sizes[1] and before is not None:
+                sizes = (f"{before:,} bytes", f"{after:,} bytes")   # 3.1GiB then 3.1GiB
             what = (f"{_text(f.get('rule') or 'shrank while written', 80)}: "
-                    f"{_text(human_bytes(_int(f.get('size_before'))))} then "
-                    f"{_text(human_bytes(_int(f.get('size_after'))))}")
+                    f"{_text(sizes[0])} then {_text(sizes[1])}")
         else:
             reader = f.get("reader") if isinstance(f.get("reader"), dict) else {}
             what = f"read by pid {_text(reader.get('pid', '?'), 12)} while written"
