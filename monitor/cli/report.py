@@ -126,9 +126,12 @@ def checked_write(rec: dict) -> Write:
     return w
 
 
-def summarize(journal_path: str, summary: JournalSummary | None = None) -> JournalSummary:
+def summarize(journal_path: str, summary: JournalSummary | None = None,
+              details: bool = True) -> JournalSummary:
     """Read a journal (rotated files too), adding to `summary` when given (several journals:
-    call once per journal). Raises OSError if it exists but cannot be read."""
+    call once per journal). details=False keeps only the collisions and counts (the table and
+    JSON need no more; keeping 100,000 writes costs ~100 MB). Raises OSError if it exists but
+    cannot be read."""
     stats = ReadStats()
     summary = summary if summary is not None else JournalSummary()
     summary.journals.append(journal_path)
@@ -137,6 +140,8 @@ def summarize(journal_path: str, summary: JournalSummary | None = None) -> Journ
         kind = record.get("type")
         if kind == "write":
             summary.writes += 1
+            if not details:
+                continue
             try:
                 summary._keep_write(checked_write(record))
             except (KeyError, TypeError, ValueError, AttributeError):
@@ -156,8 +161,10 @@ def summarize(journal_path: str, summary: JournalSummary | None = None) -> Journ
                 continue
             seen.add(key)
             summary.collisions.append(collision)
-            for w in writes:
+            for w in writes if details else ():
                 summary._keep_write(w)
+        elif not details:
+            continue
         elif not isinstance(record.get("path", ""), str):
             summary.malformed += 1
         elif kind in FINDING_TYPES:
@@ -407,7 +414,7 @@ def run(args, out=None, err=None) -> int:
         print(f"ckptwatch report: {journal} is a directory, not a journal file", file=err)
         return EXIT_NO_JOURNAL
     try:
-        summary = summarize(journal)
+        summary = summarize(journal, details=(fmt == "html"))
     except OSError as exc:
         print(f"ckptwatch report: cannot read journal {journal}: {exc.strerror or exc}",
               file=err)
