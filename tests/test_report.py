@@ -195,3 +195,17 @@ def test_small_formatters():
     assert clock_time(t) == "23:04:47.123"
     assert clock_time(time.mktime((2026, 11, 29, 23, 4, 47, 0, 0, -1)) + 0.9996) == \
         "23:04:48.000"
+
+
+def test_a_collision_with_an_impossible_time_is_skipped_not_a_crash(tmp_path):
+    journal = tmp_path / "journal.jsonl"
+    journal_from_detector(journal, [(0, "n1", 0.0), (1, "n1", 0.5)])
+    rec = load(str(journal))[0].to_record()
+    rec["id"] = "other"
+    rec["writers"][0]["start_wall"] = float("nan")     # json.loads accepts NaN
+    with open(journal, "a") as fh:
+        fh.write(json.dumps(rec) + "\n")
+    code, out, err = report(["--journal", str(journal)])
+    assert code == 0 and err == ""
+    assert out.rstrip().endswith("(1 unreadable lines skipped)")
+    assert "1 collision on 1 path" in out
