@@ -427,9 +427,13 @@ def test_systemd_unit_is_hardened_and_runs_the_agent():
     assert s["User"] == ["ckptwatch"]
     assert s["CapabilityBoundingSet"] == [""]
     for key, value in {"NoNewPrivileges": "yes", "ProtectSystem": "strict",
-                       "PrivateTmp": "yes", "RuntimeDirectory": "ckptwatch",
-                       "StateDirectory": "ckptwatch"}.items():
+                       "RuntimeDirectory": "ckptwatch", "StateDirectory": "ckptwatch"}.items():
         assert s[key] == [value], key
+    # The agent must see the real /tmp: checkpoints saved there are verified, and
+    # --watch.path may name a directory under it. ProtectSystem=strict keeps /tmp read-only
+    # for the agent, which never writes there.
+    assert s.get("PrivateTmp", ["no"]) == ["no"]
+    assert not any("/tmp" in v for v in s.get("ReadWritePaths", []) + s.get("TemporaryFileSystem", []))
     assert "ProtectProc" not in s  # the agent must see training processes in /proc
 
 
