@@ -653,3 +653,38 @@ def test_image_default_command_fails_without_its_directories():
         shutil.rmtree(root, ignore_errors=True)
     assert proc.returncode != 0
     assert "Permission denied" in out and "/ckptwatch" in out, out
+
+
+@pytest.mark.e2e
+def test_dockerfile_build_context_builds_the_package():
+    """What the build stage COPYs is enough to build the wheel (the old Dockerfile left out
+    ckptwatch/ and LICENSE, and its `pip install .` would have failed)."""
+    try:
+        import setuptools
+    except ImportError:
+        pytest.skip("setuptools not installed")
+    if int(setuptools.__version__.split(".")[0]) < 77:
+        pytest.skip(f"pyproject.toml needs setuptools>=77, have {setuptools.__version__}")
+    src = tempfile.mkdtemp(prefix="ckw-context-")
+    try:
+        for kind, arg in dockerfile_stages()[0][1]:
+            if kind != "COPY":
+                continue
+            *sources, dest = arg.split()
+            for s in sources:
+                target = os.path.join(src, dest.lstrip("./") if len(sources) == 1
+                                      and not dest.endswith("/") else s)
+                path = os.path.join(REPO_ROOT, s)
+                if os.path.isdir(path):
+                    shutil.copytree(path, target, ignore=shutil.ignore_patterns("__pycache__"))
+                else:
+                    os.makedirs(os.path.dirname(target), exist_ok=True)
+                    shutil.copy(path, target)
+        out = os.path.join(src, "dist")
+        result = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps",
+                                 "--no-build-isolation", "-q", "-w", out, src],
+                                capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert [n for n in os.listdir(out) if n.startswith("ckptwatch-")]
+    finally:
+        shutil.rmtree(src, ignore_errors=True)
