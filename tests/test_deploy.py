@@ -8,6 +8,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import tempfile
 
 import pytest
 import yaml
@@ -22,9 +23,11 @@ RULES = os.path.join(PROM_DIR, "ckptwatch-rules.yml")
 RULE_TESTS = os.path.join(PROM_DIR, "ckptwatch-rules.test.yml")
 PROM_CONFIG = os.path.join(PROM_DIR, "prometheus.yml")
 DASHBOARD = os.path.join(DEPLOY, "grafana", "ckptwatch-dashboard.json")
-K8S = os.path.join(DEPLOY, "kubernetes")
+K8S = os.path.join(DEPLOY, "kubernetes", "daemonset")
 UNIT = os.path.join(DEPLOY, "systemd", "ckptwatch-agent.service")
 DOCKERFILE = os.path.join(DEPLOY, "Dockerfile")
+LOCK = os.path.join(DEPLOY, "requirements.lock")
+IMAGE_DIRS = os.path.join(DEPLOY, "image-dirs.sh")
 RUNBOOK = os.path.join(REPO_ROOT, "docs", "runbook.md")
 
 ALERTS = ("CkptwatchConcurrentWriteCollision", "CkptwatchRedundantCheckpointWrites",
@@ -298,7 +301,7 @@ def test_dashboard_queries_are_valid_promql(tmp_path):
 def manifests():
     docs = {}
     for name in sorted(os.listdir(K8S)):
-        if name.endswith((".yaml", ".yml")):
+        if name.endswith((".yaml", ".yml")) and name != "kustomization.yaml":
             docs[name] = load_all(os.path.join(K8S, name))
             assert docs[name], name
     return docs
@@ -427,9 +430,13 @@ def test_systemd_unit_is_hardened_and_runs_the_agent():
     assert s["User"] == ["ckptwatch"]
     assert s["CapabilityBoundingSet"] == [""]
     for key, value in {"NoNewPrivileges": "yes", "ProtectSystem": "strict",
-                       "PrivateTmp": "yes", "RuntimeDirectory": "ckptwatch",
-                       "StateDirectory": "ckptwatch"}.items():
+                       "RuntimeDirectory": "ckptwatch", "StateDirectory": "ckptwatch"}.items():
         assert s[key] == [value], key
+    # The agent must see the real /tmp: checkpoints saved there are verified, and
+    # --watch.path may name a directory under it. ProtectSystem=strict keeps /tmp read-only
+    # for the agent, which never writes there.
+    assert s.get("PrivateTmp", ["no"]) == ["no"]
+    assert not any("/tmp" in v for v in s.get("ReadWritePaths", []) + s.get("TemporaryFileSystem", []))
     assert "ProtectProc" not in s  # the agent must see training processes in /proc
 
 
@@ -448,25 +455,236 @@ def test_systemd_analyze_verify(tmp_path):
     assert result.returncode == 0 and result.stderr.strip() == "", result.stderr
 
 
-def test_dockerfile():
+def dockerfile_stages():
+    """[(FROM argument, [(INSTRUCTION, argument), ...]), ...] of deploy/Dockerfile."""
     with open(DOCKERFILE) as f:
         lines = [ln.strip() for ln in f.read().replace("\\\n", " ").splitlines()
                  if ln.strip() and not ln.lstrip().startswith("#")]
-    instructions = [(ln.split(None, 1)[0].upper(), ln.split(None, 1)[1]) for ln in lines
-                    if ln.split(None, 1)[0].isupper()]
-    first = instructions[0]
-    assert first == ("FROM", "python:3.11-slim")
+    stages = []
+    for ln in lines:
+        kind, arg = ln.split(None, 1)
+        if kind == "FROM":
+            stages.append((arg, []))
+        else:
+            stages[-1][1].append((kind, arg))
+    return stages
+
+
+def final_stage():
     by_kind: dict[str, list[str]] = {}
-    for kind, arg in instructions:
+    for kind, arg in dockerfile_stages()[-1][1]:
         by_kind.setdefault(kind, []).append(arg)
-    assert any("pip install '.[fast]'" in r for r in by_kind["RUN"])
+    return by_kind
+
+
+def image_env():
+    env = {}
+    for arg in final_stage()["ENV"]:
+        for item in shlex.split(arg):
+            key, value = item.split("=", 1)
+            env[key] = value
+    return env
+
+
+def default_command():
+    by_kind = final_stage()
+    return json.loads(by_kind["ENTRYPOINT"][-1]) + json.loads(by_kind["CMD"][-1])
+
+
+def lock_pins():
+    pins = {}
+    with open(LOCK) as f:
+        for line in f:
+            line = line.split("#", 1)[0].strip()
+            if line:
+                name, version = line.split("==")
+                pins[re.sub(r"[-_.]+", "-", name).lower()] = version
+    return pins
+
+
+def test_dockerfile_is_multi_stage_with_pinned_dependencies():
+    stages = dockerfile_stages()
+    assert len(stages) == 2 and stages[0][0] == "python:3.11-slim AS build"
+    assert stages[1][0] == "python:3.11-slim"
+    runs = [arg for kind, arg in stages[0][1] if kind == "RUN"]
+    assert any("pip install" in r and "-c deploy/requirements.lock" in r and "'.[fast]'" in r
+               for r in runs), runs
+    by_kind = final_stage()
+    # The runtime stage takes the built venv, not the sources or a compiler.
+    assert "COPY --from=build /opt/ckptwatch /opt/ckptwatch" in [
+        f"COPY {a}" for a in by_kind["COPY"]]
+    assert not any("pip install" in r for r in by_kind["RUN"])
+
+
+def test_lock_pins_every_dependency_within_pyproject():
+    import tomllib
+    from packaging.requirements import Requirement
+    with open(os.path.join(REPO_ROOT, "pyproject.toml"), "rb") as f:
+        project = tomllib.load(f)["project"]
+    pins = lock_pins()
+    wanted = project["dependencies"] + project["optional-dependencies"]["fast"]
+    for spec in map(Requirement, wanted):
+        name = re.sub(r"[-_.]+", "-", spec.name).lower()
+        assert name in pins, f"{spec.name} is not pinned in deploy/requirements.lock"
+        assert spec.specifier.contains(pins[name]), (spec, pins[name])
+
+
+def test_dockerfile_copies_everything_the_package_needs():
+    import tomllib
+    with open(os.path.join(REPO_ROOT, "pyproject.toml"), "rb") as f:
+        pyproject = tomllib.load(f)
+    copied = set()
+    for kind, arg in dockerfile_stages()[0][1]:
+        if kind == "COPY":
+            for src in arg.split()[:-1]:
+                assert os.path.exists(os.path.join(REPO_ROOT, src)), src
+                copied.add(src.rstrip("/"))
+    for package in pyproject["tool"]["setuptools"]["packages"]:
+        assert package.split(".")[0] in copied, package
+    for name in pyproject["project"]["license-files"] + [pyproject["project"]["readme"]]:
+        assert name in copied, name
+    for kind, arg in dockerfile_stages()[1][1]:
+        if kind == "COPY" and not arg.startswith("--from"):
+            assert os.path.exists(os.path.join(REPO_ROOT, arg.split()[0])), arg
+
+
+def test_image_runs_as_its_user_with_home_and_directories():
+    by_kind = final_stage()
     user = by_kind["USER"][-1]
-    assert user.split(":")[0] not in ("root", "0")
+    uid, gid = user.split(":")
+    assert uid.isdigit() and int(uid) != 0 and gid.isdigit()
+    env = image_env()
+    assert env["HOME"] == "/home/ckptwatch"
+    assert env["PATH"].startswith("/opt/ckptwatch/bin:")
+    # The directories are made for exactly the USER's ids.
+    assert any(r.endswith(f"image-dirs.sh {uid} {gid}") for r in by_kind["RUN"])
+    with open(IMAGE_DIRS) as f:
+        script = f.read()
+    for d in ("/run/ckptwatch", "/var/lib/ckptwatch", env["HOME"]):
+        assert d in script, d
     assert by_kind["EXPOSE"] == ["19400"]
-    assert json.loads(by_kind["ENTRYPOINT"][-1]) == ["ckptwatch", "agent"]
     from monitor import config
-    assert config.load(json.loads(by_kind["CMD"][-1])).listen_address == ":19400"
-    # Everything COPY'd exists in the repository (the build context is the repo root).
-    for arg in by_kind["COPY"]:
-        for src in arg.split()[:-1]:
-            assert os.path.exists(os.path.join(REPO_ROOT, src)), src
+    cmd = default_command()
+    assert cmd[:2] == ["ckptwatch", "agent"]
+    cfg = config.load(cmd[2:])
+    assert cfg.listen_address == ":19400"
+    assert cfg.socket == "/run/ckptwatch/agent.sock"
+    assert cfg.journal_path == "/var/lib/ckptwatch/journal.jsonl"
+
+
+def _run_default_command(root, port):
+    """The image's ENTRYPOINT + CMD, as uid/gid of its USER with the image's HOME, with the
+    image's paths moved under `root` and the metrics port made free. The process keeps only
+    CAP_DAC_READ_SEARCH, so that uid 65532 can read this machine's Python under /root (0700);
+    it grants no write anywhere, which is what the default command's trouble was."""
+    uid, gid = final_stage()["USER"][-1].split(":")
+    args = []
+    for a in default_command()[2:]:
+        a = a.replace("/run/ckptwatch", root + "/run/ckptwatch")
+        a = a.replace("/var/lib/ckptwatch", root + "/var/lib/ckptwatch")
+        args.append(f"--web.listen-address=127.0.0.1:{port}"
+                    if a.startswith("--web.listen-address=") else a)
+    env = {"HOME": root + image_env()["HOME"], "PATH": os.environ.get("PATH", "/usr/bin"),
+           "PYTHONPATH": REPO_ROOT, "PYTHONDONTWRITEBYTECODE": "1"}
+    cmd = ["setpriv", f"--reuid={uid}", f"--regid={gid}", "--clear-groups",
+           "--inh-caps=-all,+dac_read_search", "--ambient-caps=-all,+dac_read_search",
+           sys.executable, "-m", "monitor.cli.main", "agent", *args]
+    return subprocess.Popen(cmd, env=env, cwd=root, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True), int(uid)
+
+
+def _image_root(with_dirs: bool) -> str:
+    root = tempfile.mkdtemp(prefix="ckw-image-", dir="/tmp")
+    os.chmod(root, 0o755)
+    for d in ("run", "var/lib", "home"):
+        os.makedirs(os.path.join(root, d), mode=0o755)
+    if with_dirs:
+        uid, gid = final_stage()["USER"][-1].split(":")
+        subprocess.run(["sh", IMAGE_DIRS, uid, gid], env={**os.environ, "ROOT": root},
+                       check=True, timeout=30)
+    return root
+
+
+needs_setpriv_as_root = pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("setpriv") is None,
+    reason="needs root and setpriv to start the agent as the image's uid")
+
+
+@pytest.mark.e2e
+@needs_setpriv_as_root
+def test_image_default_command_starts_as_its_user():
+    import urllib.request
+    from helpers import free_port, wait_for
+    root = _image_root(with_dirs=True)
+    port = free_port()
+    proc, uid = _run_default_command(root, port)
+    try:
+        def healthy():
+            assert proc.poll() is None, proc.stdout.read()
+            try:
+                return urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz",
+                                              timeout=1).status == 200
+            except OSError:
+                return False
+        wait_for(healthy, timeout=30, message="the image's default command to serve /healthz")
+        st = os.lstat(os.path.join(root, "run/ckptwatch/agent.sock"))
+        assert st.st_uid == uid
+        with open(f"/proc/{proc.pid}/status") as f:
+            status = f.read()
+        assert re.search(rf"^Uid:\s+{uid}\s+{uid}", status, re.M), status
+    finally:
+        proc.terminate()
+        out, _ = proc.communicate(timeout=30)
+        shutil.rmtree(root, ignore_errors=True)
+    assert proc.returncode == 0, out
+
+
+@pytest.mark.e2e
+@needs_setpriv_as_root
+def test_image_default_command_fails_without_its_directories():
+    """The control: the same command as the same user without the image's directories cannot
+    create /run/ckptwatch (the original image's defect), so the test above can fail."""
+    from helpers import free_port
+    root = _image_root(with_dirs=False)
+    try:
+        proc, _ = _run_default_command(root, free_port())
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    assert proc.returncode != 0
+    assert "Permission denied" in out and "/ckptwatch" in out, out
+
+
+@pytest.mark.e2e
+def test_dockerfile_build_context_builds_the_package():
+    """What the build stage COPYs is enough to build the wheel (the old Dockerfile left out
+    ckptwatch/ and LICENSE, and its `pip install .` would have failed)."""
+    try:
+        import setuptools
+    except ImportError:
+        pytest.skip("setuptools not installed")
+    if int(setuptools.__version__.split(".")[0]) < 77:
+        pytest.skip(f"pyproject.toml needs setuptools>=77, have {setuptools.__version__}")
+    src = tempfile.mkdtemp(prefix="ckw-context-")
+    try:
+        for kind, arg in dockerfile_stages()[0][1]:
+            if kind != "COPY":
+                continue
+            *sources, dest = arg.split()
+            for s in sources:
+                target = os.path.join(src, dest.lstrip("./") if len(sources) == 1
+                                      and not dest.endswith("/") else s)
+                path = os.path.join(REPO_ROOT, s)
+                if os.path.isdir(path):
+                    shutil.copytree(path, target, ignore=shutil.ignore_patterns("__pycache__"))
+                else:
+                    os.makedirs(os.path.dirname(target), exist_ok=True)
+                    shutil.copy(path, target)
+        out = os.path.join(src, "dist")
+        result = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps",
+                                 "--no-build-isolation", "-q", "-w", out, src],
+                                capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert [n for n in os.listdir(out) if n.startswith("ckptwatch-")]
+    finally:
+        shutil.rmtree(src, ignore_errors=True)
