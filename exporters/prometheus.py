@@ -76,7 +76,7 @@ class MetricsSnapshot:
     write_duration: Mapping[str, Histogram]            # job -> histogram
     active_writes: Mapping[str, int]                   # job -> writes in flight
     collisions: Mapping[tuple[str, str, str, str], int]  # (job, kind, scope, source) -> n
-    last_collision: Mapping[str, float]                # job -> wall time of the last one
+    last_collision: Mapping[tuple[str, str, str], float]  # (job, kind, scope) -> wall time
     events_received: int
     events_rejected: Mapping[str, int]                 # reason -> rejected inputs
     client_events_dropped: int
@@ -116,7 +116,9 @@ class _JobSeries:
         self.duration_counts: list[int] | None = None    # per bucket (non-cumulative), +Inf
         self.duration_sum = 0.0
         self.collisions: dict[tuple[str, str, str], int] = {}   # (kind, scope, source) -> n
-        self.last_collision: float | None = None
+        # (kind, scope) -> wall time of the latest: alerts compare it with time(), which no
+        # scrape gap or Prometheus restart can make look new again (a counter's birth can).
+        self.last_collision: dict[tuple[str, str], float] = {}
         self.fluctuations = 0
         self.torn_reads = 0
 
@@ -250,7 +252,8 @@ class MetricsState:
             key = (c.kind, c.scope, collision_source(c))
             series.collisions[key] = series.collisions.get(key, 0) + 1
             when = c.detected_wall or max((w.end_wall or w.start_wall) for w in c.writes)
-            series.last_collision = max(when, series.last_collision or 0.0)
+            series.last_collision[(c.kind, c.scope)] = max(
+                when, series.last_collision.get((c.kind, c.scope), 0.0))
 
     def set_active_writes(self, by_job: dict[str, int]) -> None:
         """Replace the in-flight write counts; jobs absent from by_job drop out of the gauge.
@@ -333,8 +336,8 @@ class MetricsState:
                     histograms[job] = self._histogram(series)
                 for (kind, scope, source), n in series.collisions.items():
                     collisions[(job, kind, scope, source)] = n
-                if series.last_collision is not None:
-                    last_collision[job] = series.last_collision
+                for (kind, scope), when in series.last_collision.items():
+                    last_collision[(job, kind, scope)] = when
                 if series.fluctuations:
                     fluctuations[job] = series.fluctuations
                 if series.torn_reads:
@@ -429,8 +432,8 @@ class CkptwatchCollector:
                       ["training_job", "kind", "scope", "source"], s.collisions)
 
         yield _family(GaugeMetricFamily, "ckptwatch_last_collision_timestamp_seconds",
-                      "Unix time of the last collision detected for a job.",
-                      ["training_job"], s.last_collision, unit="seconds")
+                      "Unix time of the latest collision of a job, by kind and scope.",
+                      ["training_job", "kind", "scope"], s.last_collision, unit="seconds")
 
         yield CounterMetricFamily("ckptwatch_events_received",
                                   "Valid events received from instrumented processes.",
