@@ -21,8 +21,10 @@ import errno
 import http.server
 import ipaddress
 import gzip
+import html
 import logging
 import socket
+import ssl
 import sys
 import threading
 import time
@@ -44,6 +46,7 @@ from monitor.detect.model import (FINDING_VERIFICATION, SOURCE_FS, SOURCE_HOOK, 
                                   Finding, Write)
 from monitor.verify.worker import RESULTS as VERIFY_RESULTS
 from ckptwatch.version import __version__
+from exporters.webconfig import BasicAuth, WebConfig
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +79,7 @@ class MetricsSnapshot:
     write_duration: Mapping[str, Histogram]            # job -> histogram
     active_writes: Mapping[str, int]                   # job -> writes in flight
     collisions: Mapping[tuple[str, str, str, str], int]  # (job, kind, scope, source) -> n
-    last_collision: Mapping[str, float]                # job -> wall time of the last one
+    last_collision: Mapping[tuple[str, str, str], float]  # (job, kind, scope) -> wall time
     events_received: int
     events_rejected: Mapping[str, int]                 # reason -> rejected inputs
     client_events_dropped: int
@@ -116,7 +119,9 @@ class _JobSeries:
         self.duration_counts: list[int] | None = None    # per bucket (non-cumulative), +Inf
         self.duration_sum = 0.0
         self.collisions: dict[tuple[str, str, str], int] = {}   # (kind, scope, source) -> n
-        self.last_collision: float | None = None
+        # (kind, scope) -> wall time of the latest: alerts compare it with time(), which no
+        # scrape gap or Prometheus restart can make look new again (a counter's birth can).
+        self.last_collision: dict[tuple[str, str], float] = {}
         self.fluctuations = 0
         self.torn_reads = 0
 
@@ -250,7 +255,8 @@ class MetricsState:
             key = (c.kind, c.scope, collision_source(c))
             series.collisions[key] = series.collisions.get(key, 0) + 1
             when = c.detected_wall or max((w.end_wall or w.start_wall) for w in c.writes)
-            series.last_collision = max(when, series.last_collision or 0.0)
+            series.last_collision[(c.kind, c.scope)] = max(
+                when, series.last_collision.get((c.kind, c.scope), 0.0))
 
     def set_active_writes(self, by_job: dict[str, int]) -> None:
         """Replace the in-flight write counts; jobs absent from by_job drop out of the gauge.
@@ -333,8 +339,8 @@ class MetricsState:
                     histograms[job] = self._histogram(series)
                 for (kind, scope, source), n in series.collisions.items():
                     collisions[(job, kind, scope, source)] = n
-                if series.last_collision is not None:
-                    last_collision[job] = series.last_collision
+                for (kind, scope), when in series.last_collision.items():
+                    last_collision[(job, kind, scope)] = when
                 if series.fluctuations:
                     fluctuations[job] = series.fluctuations
                 if series.torn_reads:
@@ -429,8 +435,8 @@ class CkptwatchCollector:
                       ["training_job", "kind", "scope", "source"], s.collisions)
 
         yield _family(GaugeMetricFamily, "ckptwatch_last_collision_timestamp_seconds",
-                      "Unix time of the last collision detected for a job.",
-                      ["training_job"], s.last_collision, unit="seconds")
+                      "Unix time of the latest collision of a job, by kind and scope.",
+                      ["training_job", "kind", "scope"], s.last_collision, unit="seconds")
 
         yield CounterMetricFamily("ckptwatch_events_received",
                                   "Valid events received from instrumented processes.",
@@ -627,7 +633,9 @@ def parse_listen_address(text: str) -> tuple[str, int]:
     return host, port
 
 
-HTTP_DROP_REASONS = ("timeout", "client_gone", "evicted", "refused")
+# tls_handshake: a connection that failed the TLS handshake (plain HTTP to a TLS port, a
+# client certificate the CA did not sign, an old protocol version).
+HTTP_DROP_REASONS = ("timeout", "client_gone", "evicted", "refused", "tls_handshake")
 
 
 class _Server(http.server.ThreadingHTTPServer):
@@ -645,6 +653,16 @@ class _Server(http.server.ThreadingHTTPServer):
     dual_stack = False
     max_handlers = 16
     on_dropped: Callable[[str], None] = staticmethod(lambda reason: None)
+    ssl_context: ssl.SSLContext | None = None
+
+    def get_request(self):
+        request, address = super().get_request()
+        if self.ssl_context is not None:
+            # No handshake here: this is the accept loop, and one slow or silent client must
+            # not stall it. The handler thread shakes hands under its socket timeout.
+            request = self.ssl_context.wrap_socket(request, server_side=True,
+                                                   do_handshake_on_connect=False)
+        return request, address
 
     def __init__(self, *args, **kwargs):
         self._slots_lock = threading.Lock()
@@ -763,9 +781,20 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     # write (StreamRequestHandler applies it), so an idle or slow client cannot hold a thread.
     registry: CollectorRegistry
     health: Callable[[], tuple[bool, str]]
+    auth: BasicAuth = BasicAuth({})
+    telemetry_path = "/metrics"
     timeout = 10.0
 
     def handle(self):
+        if isinstance(self.request, ssl.SSLSocket):
+            try:
+                self.request.do_handshake()
+            except (ssl.SSLError, OSError) as exc:
+                self.server.dropped("tls_handshake")
+                log.debug("metrics client %s: TLS handshake failed: %s",
+                          self.client_address[0], exc)
+                self.close_connection = True
+                return
         try:
             super().handle()
         except ConnectionError as exc:      # BrokenPipe, reset: the client hung up mid-answer
@@ -784,12 +813,33 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
     def do_GET(self):  # noqa: N802 (http.server's naming)
         route = urlsplit(self.path).path
-        if route == "/metrics":
+        authorized = self.auth.check(self.headers.get("Authorization"))
+        if route == "/healthz":
+            # Open to probes (a kubelet cannot send basic auth), but without the reason
+            # unless authorized: it may name paths.
+            self._healthz(detail=authorized)
+        elif not authorized:
+            self._reply(401, b"Unauthorized\n", "text/plain; charset=utf-8",
+                        {"WWW-Authenticate": 'Basic realm="ckptwatch", charset="UTF-8"'})
+        elif route == self.telemetry_path:
             self._metrics()
-        elif route == "/healthz":
-            self._healthz()
+        elif route == "/":
+            self._index()
         else:
             self._reply(404, b"not found\n", "text/plain; charset=utf-8")
+
+    def _index(self):
+        # A landing page as node_exporter has: what this is and where the metrics are.
+        path = html.escape(self.telemetry_path, quote=True)
+        body = (f"<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\">"
+                f"<title>ckptwatch agent</title></head>\n<body>\n"
+                f"<h1>ckptwatch agent</h1>\n"
+                f"<p>Runtime write-collision monitor for torch.save checkpoints, version "
+                f"{html.escape(__version__)}.</p>\n<ul>\n"
+                f"<li><a href=\"{path}\">Metrics</a> ({path})</li>\n"
+                f"<li><a href=\"/healthz\">Health</a> (/healthz)</li>\n"
+                f"</ul>\n</body></html>\n").encode()
+        self._reply(200, body, "text/html; charset=utf-8")
 
     def _metrics(self):
         encoder, content_type = choose_encoder(self.headers.get("Accept"))
@@ -807,13 +857,15 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         else:
             self._reply(200, body, content_type, {"Vary": "Accept-Encoding"})
 
-    def _healthz(self):
+    def _healthz(self, detail: bool = True):
         try:
             ok, reason = self.health()
         except Exception as exc:
             ok, reason = False, f"health check raised {type(exc).__name__}: {exc}"
         if ok:
             self._reply(200, b"ok\n", "text/plain; charset=utf-8")
+        elif not detail:
+            self._reply(503, b"unhealthy\n", "text/plain; charset=utf-8")
         else:
             self._reply(503, (reason or "unhealthy").encode() + b"\n",
                         "text/plain; charset=utf-8")
@@ -834,7 +886,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
 
 class MetricsServer:
-    """Serves /metrics and /healthz from a daemon thread.
+    """Serves the metrics (telemetry_path, default /metrics), /healthz and an index page at /
+    from a daemon thread; over TLS and behind basic auth when web_config says so
+    (exporters.webconfig; /healthz stays open to probes).
 
     address: ":19400", "127.0.0.1:19400", "[::1]:19400", "host:0" (0 = an ephemeral port;
     read .port after start()). A malformed address raises ValueError here, before start(), so
@@ -844,10 +898,16 @@ class MetricsServer:
     def __init__(self, address: str, registry: CollectorRegistry,
                  health: Callable[[], tuple[bool, str]] = lambda: (True, ""),
                  timeout: float = 10.0, max_handlers: int = 16,
-                 on_dropped: Callable[[str], None] | None = None):
+                 on_dropped: Callable[[str], None] | None = None,
+                 web_config: WebConfig | None = None, telemetry_path: str = "/metrics"):
         if timeout <= 0 or max_handlers < 1:
             raise ValueError(f"need timeout > 0 and max_handlers >= 1, got {timeout}, "
                              f"{max_handlers}")
+        if not telemetry_path.startswith("/") or telemetry_path in ("/", "/healthz"):
+            raise ValueError(f"telemetry path {telemetry_path!r}: must start with / and be "
+                             "neither / nor /healthz")
+        self.web_config = web_config or WebConfig()
+        self.telemetry_path = telemetry_path
         self.timeout, self.max_handlers, self._on_dropped = timeout, max_handlers, on_dropped
         self.host, self._requested_port = parse_listen_address(address)
         self.address = address
@@ -865,7 +925,10 @@ class MetricsServer:
                 return
             handler = type("Handler", (_Handler,),
                            {"registry": self._registry, "health": staticmethod(self._health),
-                            "timeout": self.timeout})
+                            "timeout": self.timeout,
+                            "auth": BasicAuth(self.web_config.users),
+                            "telemetry_path": self.telemetry_path})
+            tls = self.web_config.tls.context() if self.web_config.tls else None
             server, error = None, None
             for server_cls, bind in _bind_candidates(self.host, self._requested_port):
                 try:
@@ -878,6 +941,7 @@ class MetricsServer:
             if server is None:
                 raise error or OSError(f"cannot listen on {self.address!r}")
             server.max_handlers = self.max_handlers
+            server.ssl_context = tls
             if self._on_dropped is not None:
                 server.on_dropped = self._on_dropped
             self.port = server.server_address[1]
@@ -885,7 +949,9 @@ class MetricsServer:
                                       name=f"ckptwatch-metrics:{self.port}", daemon=True)
             thread.start()
             self._server, self._thread = server, thread
-            log.info("serving metrics on %s (port %d)", self.address, self.port)
+            log.info("serving metrics on %s (port %d, path %s, tls=%s, basic_auth=%s)",
+                     self.address, self.port, self.telemetry_path, tls is not None,
+                     bool(self.web_config.users))
 
     def stop(self) -> None:
         """Stop serving and join the thread; a second call is a no-op."""

@@ -19,6 +19,9 @@ from typing import Any, Callable
 from exporters.journal import default_journal_path
 from exporters.labels import MIN_VALUE_LENGTH, LabelLimits
 from exporters.prometheus import parse_listen_address
+from exporters.webconfig import WebConfig, WebConfigError
+from exporters import webconfig
+from ckptwatch.version import __version__
 from ckptwatch import paths
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -41,6 +44,9 @@ class Config:
     """Everything the agent needs to run. Build it with load(argv); defaults live here."""
 
     listen_address: str = paths.DEFAULT_METRICS_ADDRESS
+    telemetry_path: str = "/metrics"
+    web_config_file: str | None = None       # exporter-toolkit YAML: TLS, basic auth
+    web_config: WebConfig | None = None      # parsed from web_config_file by load()
     socket: str = field(default_factory=paths.default_socket_path)
     socket_mode: int = 0o660
     socket_group: int | None = None         # gid, resolved from a name or number
@@ -87,6 +93,14 @@ def _address(value: Any) -> str:
         parse_listen_address(value)
     except Exception as exc:  # its own error type is its business; report the message
         raise ValueError(f"invalid listen address {value!r}: {exc}") from None
+    return value
+
+
+def _telemetry_path(value: Any) -> str:
+    if (not isinstance(value, str) or not value.startswith("/") or value in ("/", "/healthz")
+            or len(value) > 256 or any(c.isspace() or c in "?#" for c in value)):
+        raise ValueError(f"expected a URL path such as /metrics (not / or /healthz, no "
+                         f"spaces, ? or #), got {value!r}")
     return value
 
 
@@ -212,6 +226,12 @@ class Option:
 OPTIONS = (
     Option("web.listen-address", "listen_address", _address,
            "address for /metrics and /healthz, [host]:port"),
+    Option("web.telemetry-path", "telemetry_path", _telemetry_path,
+           "URL path of the metrics"),
+    Option("web.config.file", "web_config_file", _path,
+           "TLS and basic-auth configuration in the Prometheus exporter-toolkit format "
+           "(tls_server_config, basic_auth_users with bcrypt hashes), as node_exporter's",
+           lambda: "none: plain HTTP, no authentication"),
     Option("ingest.socket", "socket", _path,
            "Unix socket that instrumented processes send events to "
            "(they read it from CKPTWATCH_SOCKET)"),
@@ -300,7 +320,7 @@ class _Parser(argparse.ArgumentParser):
 def build_parser(prog: str = "ckptwatch agent") -> argparse.ArgumentParser:
     """The agent's flags. Defaults are None so load() can tell given flags from absent ones."""
     parser = _Parser(
-        prog=prog,
+        prog=prog, allow_abbrev=False,
         description="ckptwatch agent: receives torch.save write events from instrumented "
                     "processes on this node, detects concurrent writes to one checkpoint "
                     "path, and exports them to Prometheus, a JSONL journal and the log.",
@@ -310,6 +330,7 @@ def build_parser(prog: str = "ckptwatch agent") -> argparse.ArgumentParser:
                "The agent checks each event's pid against the sending process, so it must "
                "see the training processes (hostPID on Kubernetes; the trainers' own pid "
                "namespaces are fine).")
+    parser.add_argument("--version", action="version", version=f"ckptwatch {__version__}")
     parser.add_argument("--config.file", dest="config_file", metavar="PATH", default=None,
                         help="TOML (.toml) or YAML (.yaml/.yml) file with any of the settings "
                              "below (default: none)")
@@ -392,6 +413,11 @@ def load(argv: list[str] | None = None) -> Config:
             converted[opt.attr] = opt.convert(raw)
         except ValueError as exc:
             errors.append(f"{where}: {exc}")
+    if converted.get("web_config_file"):
+        try:
+            converted["web_config"] = webconfig.load(converted["web_config_file"])
+        except WebConfigError as exc:
+            errors += [f"--web.config.file: {line}" for line in exc.errors]
     if errors:
         raise ConfigError(errors)
     return Config(**converted)

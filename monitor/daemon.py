@@ -211,7 +211,9 @@ class Agent:
                           attribution=config.watch_attribution)
         server = MetricsServer(config.listen_address, build_registry(state),
                                health=health_check(ingest, heartbeat, fs),
-                               on_dropped=state.http_connection_dropped)
+                               on_dropped=state.http_connection_dropped,
+                               web_config=config.web_config,
+                               telemetry_path=config.telemetry_path)
         try:
             journal = Journal(config.journal_path, config.journal_max_bytes,
                               config.journal_backups, buffered=True)

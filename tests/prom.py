@@ -81,8 +81,11 @@ class Prometheus:
 
 
 def start_prometheus(targets, rule_files=(), scrape_interval: str = "1s",
-                     job_name: str = "ckptwatch", timeout: float = 30.0) -> Prometheus:
+                     job_name: str = "ckptwatch", timeout: float = 30.0,
+                     scrape_options: dict | None = None) -> Prometheus:
     """Start Prometheus scraping `targets` ("host:port"), evaluating `rule_files`.
+    scrape_options go into the scrape job as they are (scheme, tls_config, basic_auth,
+    metrics_path...).
 
     Returns once Prometheus is ready (not once it has scraped: wait for the series you need).
     """
@@ -96,7 +99,8 @@ def start_prometheus(targets, rule_files=(), scrape_interval: str = "1s",
                    "scrape_timeout": scrape_interval},
         "rule_files": [os.path.abspath(p) for p in rule_files],
         "scrape_configs": [{"job_name": job_name,
-                            "static_configs": [{"targets": list(targets)}]}],
+                            "static_configs": [{"targets": list(targets)}],
+                            **(scrape_options or {})}],
     }
     config_path = os.path.join(workdir, "prometheus.yml")
     with open(config_path, "w") as f:

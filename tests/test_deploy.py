@@ -31,9 +31,15 @@ IMAGE_DIRS = os.path.join(DEPLOY, "image-dirs.sh")
 RUNBOOK = os.path.join(REPO_ROOT, "docs", "runbook.md")
 
 ALERTS = ("CkptwatchConcurrentWriteCollision", "CkptwatchRedundantCheckpointWrites",
+          "CkptwatchCheckpointSizeFluctuation", "CkptwatchCheckpointHazard",
           "CkptwatchEventsRejected", "CkptwatchClientEventsDropped", "CkptwatchAgentDown")
 # Series Prometheus makes itself rather than scraping them from the agent.
 PROMETHEUS_SERIES = {"up", "ALERTS", "ALERTS_FOR_STATE"}
+# Metrics of a written contract whose exporter has not landed yet (issue 9: job scope). The
+# rules may name them; test_contract_metrics_are_still_pending fails once they are exported,
+# so this set cannot outlive its reason.
+PENDING_CONTRACT = {"ckptwatch_hazards_total"}
+RUNBOOK_BASE = "https://github.com/ckptwatch/ckptwatch/blob/main/docs/runbook.md"
 
 needs_promtool = pytest.mark.skipif(shutil.which("promtool") is None,
                                     reason="promtool not installed")
@@ -148,8 +154,14 @@ def test_rules_use_only_exported_metrics(exported_names):
     used = set()
     for rule in alert_rules():
         used |= metric_names(rule["expr"])
-    assert "ckptwatch_collisions_total" in used
-    assert used - exported_names - PROMETHEUS_SERIES == set()
+    assert {"ckptwatch_last_collision_timestamp_seconds",
+            "ckptwatch_size_fluctuations_total", "ckptwatch_hazards_total"} <= used
+    assert used - exported_names - PROMETHEUS_SERIES - PENDING_CONTRACT == set()
+
+
+def test_contract_metrics_are_still_pending(exported_names):
+    # Once the exporter has them, drop them from PENDING_CONTRACT (and check their labels).
+    assert not PENDING_CONTRACT & exported_names
 
 
 def test_dashboard_uses_only_exported_metrics(exported_names):
@@ -196,10 +208,51 @@ def test_every_alert_is_complete_and_has_a_runbook_section():
         annotations = rule["annotations"]
         for key in ("summary", "description", "runbook_url"):
             assert annotations.get(key), (name, key)
-        anchor = annotations["runbook_url"].split("#", 1)[1]
-        assert annotations["runbook_url"].startswith("docs/runbook.md#"), name
-        assert anchor in headings, f"docs/runbook.md has no section for {name}"
+        base, anchor = annotations["runbook_url"].split("#", 1)
+        assert base == RUNBOOK_BASE, name
+        assert anchor == name.lower() and anchor in headings, \
+            f"docs/runbook.md has no section for {name}"
     assert rules["CkptwatchConcurrentWriteCollision"]["labels"]["severity"] == "critical"
+
+
+def github_anchors(markdown_path):
+    """The anchors GitHub renders for a Markdown file's headings (lower case, punctuation
+    dropped, spaces to hyphens, repeats numbered)."""
+    anchors, seen = set(), {}
+    in_code = False
+    with open(markdown_path) as f:
+        for line in f:
+            if line.startswith("```"):
+                in_code = not in_code
+            if in_code or not re.match(r"#{1,6} ", line):
+                continue
+            slug = re.sub(r"[^\w\- ]", "", line.lstrip("#").strip().lower()).replace(" ", "-")
+            n = seen.get(slug, 0)
+            seen[slug] = n + 1
+            anchors.add(slug if n == 0 else f"{slug}-{n}")
+    return anchors
+
+
+def test_every_runbook_link_points_at_an_existing_runbook_anchor():
+    """Rules and dashboard links are absolute (Alertmanager and Grafana have no repository to
+    be relative to) and every anchor is a heading of docs/runbook.md."""
+    anchors = github_anchors(RUNBOOK)
+    assert "finding-the-paths" in anchors
+    urls = [r["annotations"]["runbook_url"] for r in alert_rules()]
+    urls += re.findall(r'https?://[^"\s)]*runbook\.md#[\w-]+', json.dumps(dashboard()))
+    assert len(urls) > len(alert_rules())
+    for url in urls:
+        base, anchor = url.split("#", 1)
+        assert base == RUNBOOK_BASE, url
+        assert anchor in anchors, f"{url}: no such heading in docs/runbook.md"
+
+
+def test_runbook_base_appears_only_in_runbook_urls():
+    # One sed (or the Helm chart) rewrites the base; no other copy may be left behind.
+    with open(RULES) as f:
+        lines = [ln for ln in f if RUNBOOK_BASE in ln and not ln.lstrip().startswith("#")]
+    assert len(lines) == len(alert_rules())
+    assert all(ln.strip().startswith(f'runbook_url: "{RUNBOOK_BASE}#') for ln in lines)
 
 
 def test_rule_tests_cover_firing_pending_and_quiet_for_every_alert():
@@ -278,6 +331,91 @@ def test_dashboard_covers_collisions_writes_and_ingest():
         assert needle in joined, needle
     # Per-training-job panels filter on the variables.
     assert all('node=~"$node"' in e for e in exprs)
+
+
+def panel(title):
+    def walk(panels):
+        for p in panels:
+            if p["title"] == title:
+                return p
+            found = walk(p.get("panels", []))
+            if found:
+                return found
+    found = walk(dashboard()["panels"])
+    assert found, title
+    return found
+
+
+def panel_expr(title, **values):
+    (target,) = panel(title)["targets"]
+    expr = target["expr"]
+    for var, value in values.items():
+        expr = expr.replace(f"${var}", value)
+    assert "$" not in expr, expr
+    return expr
+
+
+@needs_promtool
+def test_collision_panels_count_a_jobs_first_collision(tmp_path):
+    """A job's collision counter is born at 1: plain increase() shows 0 for its first
+    collision. The panels must show it (evaluated by promtool's PromQL engine)."""
+    values = {"training_job": ".*", "node": ".*"}
+    series = [
+        # train-a: its first concurrent collision at 30m, the series born with it.
+        ('ckptwatch_collisions_total{training_job="train-a",kind="concurrent",scope="node",'
+         'source="hook",instance="a:19400",node="a"}', "_x30 1x40"),
+        # train-b: had one long before the range, a second at 40m.
+        ('ckptwatch_collisions_total{training_job="train-b",kind="concurrent",scope="node",'
+         'source="hook",instance="a:19400",node="a"}', "1x39 2x40"),
+        # train-c: a redundant write at 35m, born at 1.
+        ('ckptwatch_collisions_total{training_job="train-c",kind="redundant",scope="node",'
+         'source="hook",instance="a:19400",node="a"}', "_x35 1x40"),
+        # train-d: a size fluctuation at 45m, born at 1.
+        ('ckptwatch_size_fluctuations_total{training_job="train-d",instance="a:19400",node="a"}',
+         "_x45 1x40"),
+    ]
+    by_kind = panel_expr("Collisions by job and kind", __rate_interval="4m", **values)
+    fluct = next(t["expr"] for t in panel("Corrupt checkpoints, size fluctuations, torn reads")
+                 ["targets"] if "size_fluctuations" in t["expr"]).replace(
+        "$__rate_interval", "4m").replace("$node", ".*")
+
+    def case(expr, at, samples):
+        return {"expr": f"round({expr}, 0.001)", "eval_time": at,
+                "exp_samples": [{"labels": labels, "value": v} for labels, v in samples]}
+
+    tests = {"rule_files": [], "evaluation_interval": "1m", "tests": [{
+        "interval": "1m",
+        "input_series": [{"series": s, "values": v} for s, v in series],
+        "promql_expr_test": [
+            # Over the last hour at 60m: train-a's first (1) + train-b's second (1).
+            case(panel_expr("Concurrent collisions (time range)", __range="1h", **values),
+                 "60m", [("{}", 2)]),
+            case(panel_expr("Redundant writes (time range)", __range="1h", **values),
+                 "60m", [("{}", 1)]),
+            # The time series shows train-a's first collision when it happens...
+            case(by_kind, "31m", [('{training_job="train-a",kind="concurrent",scope="node"}', 1),
+                                  ('{training_job="train-b",kind="concurrent",scope="node"}', 0)]),
+            # ...and train-b's increment.
+            case(by_kind, "41m", [('{training_job="train-a",kind="concurrent",scope="node"}', 0),
+                                  ('{training_job="train-b",kind="concurrent",scope="node"}', 1),
+                                  ('{training_job="train-c",kind="redundant",scope="node"}', 0)]),
+            case(fluct, "46m", [('{training_job="train-d"}', 1)]),
+        ]}]}
+    path = tmp_path / "panels.test.yml"
+    path.write_text(yaml.safe_dump(tests, sort_keys=False))
+    promtool("test", "rules", str(path))
+
+
+def test_collision_panels_link_to_the_paths():
+    """Metrics carry no paths: every collision panel links to where they are (the report)."""
+    for title in ("Concurrent collisions (time range)", "Redundant writes (time range)",
+                  "Last collision", "Last collision by job", "Collisions by job and kind"):
+        links = panel(title).get("links", [])
+        assert any(link["url"].endswith("runbook.md#finding-the-paths") for link in links), title
+    text = panel("Which paths? Run ckptwatch report on the node")
+    assert text["type"] == "text"
+    assert "ckptwatch report --journal" in text["options"]["content"]
+    assert "${node}" in text["options"]["content"]
 
 
 @needs_promtool

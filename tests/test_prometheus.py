@@ -94,7 +94,10 @@ def test_collisions_by_kind_scope_and_last_timestamp(state):
                  scope="node", source="hook") == 1
     # The latest, not the last reported (collisions become final out of order).
     assert value(reg, "ckptwatch_last_collision_timestamp_seconds",
-                 training_job="job-a") == 1_700_000_300.0
+                 training_job="job-a", kind="concurrent", scope="node") == 1_700_000_300.0
+    # Per kind: the alerts on concurrent and redundant collisions each read their own.
+    assert value(reg, "ckptwatch_last_collision_timestamp_seconds",
+                 training_job="job-a", kind="redundant", scope="node") == 1_700_000_200.0
 
 
 def test_collision_between_two_jobs_uses_the_collision_job_label(state):
@@ -317,7 +320,8 @@ def test_healthz_that_raises_is_unhealthy_not_fatal(fed_state, no_thread_leak):
 
 
 def test_unknown_path_is_404(server):
-    assert get(f"http://127.0.0.1:{server.port}/")[0] == 404
+    # "/" is the index page (tests/test_metrics_tls.py).
+    assert get(f"http://127.0.0.1:{server.port}/nope")[0] == 404
     assert get(f"http://127.0.0.1:{server.port}/metrics/x")[0] == 404
 
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 
@@ -30,8 +31,9 @@ def agent_metrics():
     for w in writes:
         state.write_finished(w)
     state.write_finished(write(200, None, None, 30.0))  # a process with no job id
+    # Detected now: the alert compares the collision's time with Prometheus' time().
     state.collision(Collision(path=PATH, kind=KIND_CONCURRENT, writes=tuple(writes),
-                              detected_wall=1_700_000_002.0))
+                              detected_wall=time.time()))
     server = MetricsServer("127.0.0.1:0", build_registry(state))
     server.start()
     yield server
@@ -64,8 +66,8 @@ def test_prometheus_sees_collisions_and_rules_evaluate(agent_metrics):
         assert len(unknown) == 1 and "training_job" not in unknown[0]["metric"]
         assert "rank" not in unknown[0]["metric"]
 
-        # The shipped rule catches the collision although the counter was born at 1:
-        # the alert is pending (its `for:` is a minute, longer than this test).
+        # The shipped rule catches the collision from its timestamp: the alert is pending
+        # (its `for:` is a minute, longer than this test).
         alerts = wait_for_query(
             prom, 'ALERTS{alertname="CkptwatchConcurrentWriteCollision"}')
         assert alerts[0]["metric"]["training_job"] == "job-7"

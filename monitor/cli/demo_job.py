@@ -22,7 +22,7 @@ from torch import nn
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__,
+    p = argparse.ArgumentParser(description=__doc__, allow_abbrev=False,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="checkpoint directory")
     p.add_argument("--save", default="every-rank",

@@ -115,7 +115,7 @@ def run(args, out=None, err=None) -> int:
 def main(argv=None) -> int:
     """`python -m monitor.cli.lint ...`: the same command without the ckptwatch entry point."""
     import argparse
-    parser = argparse.ArgumentParser(prog="ckptwatch lint")
+    parser = argparse.ArgumentParser(prog="ckptwatch lint", allow_abbrev=False)
     add_arguments(parser)
     return run(parser.parse_args(argv))
 

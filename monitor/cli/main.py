@@ -27,12 +27,26 @@ def _agent(argv: list[str]) -> int:
     return daemon.main(argv)
 
 
+class _Subparser(argparse.ArgumentParser):
+    """Every subcommand: exact flag names only, and --version."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs["allow_abbrev"] = False
+        super().__init__(*args, **kwargs)
+        if kwargs.get("add_help", True):        # not `agent`: it forwards its arguments
+            self.add_argument("--version", action="version",
+                              version=f"ckptwatch {__version__}")
+
+
 def build_parser() -> argparse.ArgumentParser:
+    # allow_abbrev=False everywhere: an abbreviated flag (--jour for --journal) must be an
+    # error, not a silent guess that breaks when a longer flag is added.
     parser = argparse.ArgumentParser(
-        prog="ckptwatch", description=DESCRIPTION,
+        prog="ckptwatch", description=DESCRIPTION, allow_abbrev=False,
         formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"ckptwatch {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND",
+                                parser_class=_Subparser)
 
     # `agent` forwards its arguments untouched: the agent owns its flags and --help.
     sub.add_parser("agent", help="run the per-node agent (see `ckptwatch agent --help`)",

@@ -268,7 +268,7 @@ class ProgressBar:
 def main(argv=None) -> int:
     """`python -m monitor.cli.scan ...`: the same command without the ckptwatch entry point."""
     import argparse
-    parser = argparse.ArgumentParser(prog="ckptwatch scan")
+    parser = argparse.ArgumentParser(prog="ckptwatch scan", allow_abbrev=False)
     add_arguments(parser)
     return run(parser.parse_args(argv))
 
