@@ -6,8 +6,8 @@ found in the directories walked (a torch.distributed.checkpoint directory, a Hug
 sharded checkpoint: monitor/verify/sets.py), then a summary. Readable in 80 columns; a progress
 bar goes to stderr, only when stderr is a terminal.
 
-Exit codes: 0 nothing corrupt; 1 at least one corrupt file or set; 2 a usage error. A PATH that does
-not exist is a usage error: it is reported on stderr, the other paths are still scanned and
+Exit codes: 0 nothing corrupt; 1 at least one corrupt file or set; 2 a usage error. A PATH
+that does not exist is a usage error: it is reported on stderr, the other paths are still scanned and
 reported, and the exit code is 2 (the scan is incomplete, so it must not pass as clean).
 Files or directories that cannot be read are listed as "unverifiable" with the OS error and
 counted in the summary; they do not change the exit code by themselves.
