@@ -503,7 +503,7 @@ class CkptwatchCollector:
         yield _family(CounterMetricFamily, "ckptwatch_corrupt_checkpoints",
                       "Finished checkpoints that failed verification, by "
                       "reason (empty, truncated, torn, crc_mismatch, "
-                      "inconsistent).",
+                      "inconsistent, out_of_bounds; checkpoint sets: missing_shard, mixed).",
                       ["reason"], s.corrupt)
 
         yield _family(GaugeMetricFamily, "ckptwatch_label_values",

@@ -83,6 +83,7 @@ class Checks:
         if self.enabled and write.outcome == "ok":
             self.schedule.write_finished(write.path, write.writer.job_label, self._clock(),
                                          watched=write.source == SOURCE_FS)
+            self.schedule.note_run(write.path, write.writer.run_key)   # for set checks
 
     def file_closed(self, path: str) -> None:
         """The watcher saw a write to `path` finish (any writer, attributed or not)."""
@@ -97,9 +98,14 @@ class Checks:
         """Hand due paths to the worker; return the verifications it finished since."""
         if not self.enabled:
             return []
-        for path, job, collision_id, readers in self.schedule.due(self._clock()):
+        now = self._clock()
+        for path, job, collision_id, readers in self.schedule.due(now):
             self.verifier.submit(path, job, collision_id, readers)
-        return self.verifier.drain()
+        for directory, runs in self.schedule.due_sets(now):       # checkpoint sets
+            self.verifier.submit_set(directory, runs)
+        results = self.verifier.drain()
+        self.schedule.verified(results, now)
+        return results
 
 
 def health_check(ingest: IngestServer, heartbeat: list[float], fs: FsSource | None = None):

@@ -1,11 +1,13 @@
 """`ckptwatch scan PATH... [--deep] [--format table|json] [--include GLOB...]`
 
 Verifies every checkpoint under the given paths with monitor/verify/integrity.py and prints one line
-per file (status, format, size, path; the reason below it), then a summary. Readable in 80
-columns; a progress bar goes to stderr, only when stderr is a terminal.
+per file (status, format, size, path; the reason below it), then one line per checkpoint set
+found in the directories walked (a torch.distributed.checkpoint directory, a Hugging Face
+sharded checkpoint: monitor/verify/sets.py), then a summary. Readable in 80 columns; a progress
+bar goes to stderr, only when stderr is a terminal.
 
-Exit codes: 0 nothing corrupt; 1 at least one corrupt file; 2 a usage error. A PATH that does
-not exist is a usage error: it is reported on stderr, the other paths are still scanned and
+Exit codes: 0 nothing corrupt; 1 at least one corrupt file or set; 2 a usage error. A PATH
+that does not exist is a usage error: it is reported on stderr, the other paths are still scanned and
 reported, and the exit code is 2 (the scan is incomplete, so it must not pass as clean).
 Files or directories that cannot be read are listed as "unverifiable" with the OS error and
 counted in the summary; they do not change the exit code by themselves.
@@ -24,6 +26,7 @@ from dataclasses import dataclass
 
 from monitor.verify import crc
 from monitor.verify import integrity
+from monitor.verify import sets as checkpoint_sets
 from monitor.cli.report import human_bytes
 
 from monitor.fs.options import CHECKPOINT_PATTERNS as DEFAULT_PATTERNS  # noqa: E402
@@ -37,17 +40,22 @@ WIDTH = 80
 
 @dataclass
 class Result:
-    """One scanned file: where, how big, and the verdict."""
+    """One scanned file, or one checkpoint set (is_set: path is its directory): where, how
+    big, and the verdict."""
 
     path: str
     size: int | None
     verdict: integrity.Verdict
     seconds: float = 0.0
+    is_set: bool = False
 
     def to_json(self) -> dict:
         v = self.verdict
-        return {"path": self.path, "size": self.size, "status": v.status, "format": v.format,
-                "reason": v.reason, "details": v.details, "seconds": round(self.seconds, 6)}
+        out = {"path": self.path, "size": self.size, "status": v.status, "format": v.format,
+               "reason": v.reason, "details": v.details, "seconds": round(self.seconds, 6)}
+        if self.is_set:
+            out["cause"] = v.details.get("cause", "")
+        return out
 
 
 def add_arguments(parser) -> None:
@@ -69,9 +77,10 @@ def add_arguments(parser) -> None:
                         help="cap the --deep read rate (default: no cap)")
 
 
-def find_files(paths, patterns=DEFAULT_PATTERNS, errors=None):
+def find_files(paths, patterns=DEFAULT_PATTERNS, errors=None, found_sets=None):
     """(files, missing): checkpoint files under paths, in a stable order, and the paths that do
-    not exist. Unreadable directories are appended to `errors` as (path, OSError)."""
+    not exist. Unreadable directories are appended to `errors` as (path, OSError); checkpoint
+    sets in the directories walked to `found_sets` (monitor.verify.sets.CheckpointSet)."""
     files, missing, seen = [], [], set()
 
     def add(path):
@@ -90,6 +99,8 @@ def find_files(paths, patterns=DEFAULT_PATTERNS, errors=None):
         elif os.path.isdir(top):
             for root, dirs, names in os.walk(top, onerror=onerror):
                 dirs.sort()
+                if found_sets is not None:
+                    found_sets.extend(checkpoint_sets.find_sets(root, names))
                 for name in sorted(names):
                     if any(fnmatch.fnmatch(name, p) for p in patterns):
                         add(os.path.join(root, name))
@@ -103,10 +114,12 @@ def scan(paths, deep=False, patterns=DEFAULT_PATTERNS, max_bytes_per_second=None
     """Verify every checkpoint under paths. Returns (results, missing paths).
 
     on_result(Result) is called as each file finishes; progress(done_files, total_files,
-    done_bytes, total_bytes) before each file and at the end.
+    done_bytes, total_bytes) before each file and at the end. Checkpoint sets found in the
+    directories walked come after the files, as Results with is_set (their members are
+    verified once: a file verdict already made is reused).
     """
-    errors = []
-    files, missing = find_files(paths, patterns, errors)
+    errors, found_sets = [], []
+    files, missing = find_files(paths, patterns, errors, found_sets)
     sizes = []
     for path in files:
         try:
@@ -115,6 +128,7 @@ def scan(paths, deep=False, patterns=DEFAULT_PATTERNS, max_bytes_per_second=None
             sizes.append(None)
     total_bytes = sum(s or 0 for s in sizes)
     results, done_bytes = [], 0
+    verdicts = {}
     for (path, err) in errors:
         result = Result(path, None, integrity.Verdict(
             integrity.UNVERIFIABLE, integrity.FMT_UNKNOWN,
@@ -129,7 +143,24 @@ def scan(paths, deep=False, patterns=DEFAULT_PATTERNS, max_bytes_per_second=None
         verdict = integrity.verify(path, deep=deep, max_bytes_per_second=max_bytes_per_second)
         result = Result(path, size, verdict, time.monotonic() - started)
         results.append(result)
+        verdicts[os.path.realpath(path)] = verdict
         done_bytes += size or 0
+        if on_result:
+            on_result(result)
+
+    def verify_member(path):
+        key = os.path.realpath(path)
+        if key not in verdicts:
+            verdicts[key] = integrity.verify(path, deep=deep,
+                                             max_bytes_per_second=max_bytes_per_second)
+        return verdicts[key]
+
+    for s in found_sets:
+        started = time.monotonic()
+        verdict = checkpoint_sets.verify_set(s, verify_file=verify_member)
+        result = Result(s.directory, verdict.details.get("bytes"), verdict,
+                        time.monotonic() - started, is_set=True)
+        results.append(result)
         if on_result:
             on_result(result)
     if progress:
@@ -179,7 +210,8 @@ def _run(args, out, err) -> int:
     for path in missing:
         err.write(f"ckptwatch scan: {path}: no such file or directory\n")
     if args.format == "json":
-        json.dump({"files": [r.to_json() for r in results],
+        json.dump({"files": [r.to_json() for r in results if not r.is_set],
+                   "sets": [r.to_json() for r in results if r.is_set],
                    "summary": summary(results, elapsed, args.deep),
                    "missing": missing, "exit_code": exit_code(results, missing)},
                   out, indent=2)
@@ -198,7 +230,8 @@ def _run(args, out, err) -> int:
 def format_line(result: Result) -> str:
     """`corrupt       torch-zip      32.1MiB  path` and the reason wrapped below, in 80 cols."""
     v = result.verdict
-    line = f"{v.status:<12} {v.format:<12} {human_bytes(result.size):>9}  {result.path}\n"
+    path = result.path + ("/ (set)" if result.is_set else "")
+    line = f"{v.status:<12} {v.format:<12} {human_bytes(result.size):>9}  {path}\n"
     if v.reason:
         line += textwrap.fill(v.reason, WIDTH, initial_indent="    ",
                               subsequent_indent="    ", break_on_hyphens=False) + "\n"
@@ -206,11 +239,18 @@ def format_line(result: Result) -> str:
 
 
 def summary(results, elapsed: float, deep: bool) -> dict:
+    """Counts of files by status; sets are counted apart (`sets`, `sets_<status>`)."""
     counts = {integrity.OK: 0, integrity.CORRUPT: 0, integrity.UNVERIFIABLE: 0}
-    for r in results:
+    set_counts = {f"sets_{s}": 0 for s in counts}
+    files = [r for r in results if not r.is_set]
+    for r in files:
         counts[r.verdict.status] = counts.get(r.verdict.status, 0) + 1
-    out = {"files": len(results), "bytes": sum(r.size or 0 for r in results),
-           "seconds": round(elapsed, 3), "deep": deep, **counts}
+    for r in results:
+        if r.is_set:
+            set_counts[f"sets_{r.verdict.status}"] += 1
+    out = {"files": len(files), "bytes": sum(r.size or 0 for r in files),
+           "seconds": round(elapsed, 3), "deep": deep, **counts,
+           "sets": len(results) - len(files), **set_counts}
     if deep:
         out["crc32"] = crc.BACKEND          # explains a slow deep scan (stdlib zlib)
     return out
@@ -221,6 +261,10 @@ def summary_line(results, elapsed: float, deep: bool, missing=()) -> str:
     line = (f"{s['files']} files, {human_bytes(s['bytes'])} in {elapsed:.1f}s "
             f"({'deep' if deep else 'structural'}): {s['ok']} ok, {s['corrupt']} corrupt, "
             f"{s['unverifiable']} unverifiable")
+    if s["sets"]:
+        line += (f"; {s['sets']} checkpoint set{'s' if s['sets'] > 1 else ''}: "
+                 f"{s['sets_ok']} ok, {s['sets_corrupt']} corrupt, "
+                 f"{s['sets_unverifiable']} unverifiable")
     if missing:
         line += f"; {len(missing)} path(s) not found"
     return textwrap.fill(line, WIDTH) + "\n"

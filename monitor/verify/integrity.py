@@ -159,7 +159,10 @@ def _verify_open(f, size: int, path: str, deep: bool, throttle: "_Throttle") -> 
         return Verdict(UNVERIFIABLE, fmt, str(e))
 
 
-CAUSES = ("empty", "truncated", "torn", "crc_mismatch", "inconsistent", "out_of_bounds")
+CAUSES = ("empty", "truncated", "torn", "crc_mismatch", "inconsistent", "out_of_bounds",
+          # checkpoint sets (monitor.verify.sets): a member the set names is not there; the
+          # members are whole but come from different saves
+          "missing_shard", "mixed")
 
 
 def corrupt_cause(reason: str) -> str:
@@ -525,7 +528,22 @@ def _check_crcs(f, entries: list, throttle) -> int:
 
 # ---------------------------------------------------------------------------- safetensors
 
-def _verify_safetensors(f, size, path, deep, throttle) -> Verdict:
+def safetensors_header(path: str) -> dict:
+    """The JSON header of a safetensors file (bounded: MAX_SAFETENSORS_PARSE), for checks
+    across files (monitor.verify.sets). Raises ValueError with the reason, OSError."""
+    with _open(path) as f:
+        size = os.fstat(f.fileno()).st_size
+        if size < 8:
+            raise ValueError("truncated: shorter than the 8-byte header length")
+        try:
+            header, _ = _safetensors_header(f, size)
+        except (_Corrupt, _Unverifiable) as e:
+            raise ValueError(str(e)) from None
+    return header
+
+
+def _safetensors_header(f, size):
+    """(header dict, header length), or _Corrupt / _Unverifiable."""
     n = struct.unpack("<Q", _pread(f, 0, 8))[0]
     if 8 + n > size:
         raise _Corrupt(f"truncated: the header says {n} bytes, the file holds {size - 8} "
@@ -541,6 +559,11 @@ def _verify_safetensors(f, size, path, deep, throttle) -> Verdict:
         raise _Corrupt("header is not valid JSON (nested deeper than Python parses)") from None
     if not isinstance(header, dict):
         raise _Corrupt("header is not a JSON object")
+    return header, n
+
+
+def _verify_safetensors(f, size, path, deep, throttle) -> Verdict:
+    header, n = _safetensors_header(f, size)
     data_len = size - 8 - n
     spans, unsized = [], 0
     for name, t in header.items():

@@ -17,11 +17,22 @@ read with the agent's rights. A path with neither is not verified (counted in de
 What is read never reaches the journal or the log as content: verdict reasons that would quote
 a file's first bytes or an HTML title are replaced by content-free ones (_content_free).
 
+Checkpoint sets (monitor.verify.sets): a file read with the agent's rights (watched) that may
+belong to a set (a .distcp or .metadata in a DCP directory, a file next to a *.index.json)
+makes its directory a set candidate (Verification.set_dir); the schedule makes the set due
+`quiet` seconds after its last member was verified or written, and the worker verifies the set
+as one unit, reported as a Verification whose path is the directory (format "dcp" or
+"hf-sharded"). The schedule remembers the run key of each path's last writer
+(note_run), so DCP shards written by different job runs are `mixed`. Sets are verified with
+the agent's rights only, never following a symlinked member; the same set bytes (names,
+sizes, mtimes, inodes) are not reported twice.
+
 Deep checks (CRC32 of every byte) run for files up to `deep_max_bytes`, at most `max_rate`
 bytes/s, so a node's disks stay the training job's.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import queue
@@ -32,6 +43,7 @@ from dataclasses import dataclass, field
 
 from monitor import sender as senders
 from monitor.verify import integrity
+from monitor.verify import sets as checkpoint_sets
 
 log = logging.getLogger("ckptwatch.verifier")
 
@@ -55,6 +67,7 @@ class Verification:
     job: str = ""
     collision_id: str = ""            # the collision that wrote this path, if one did
     wall: float = 0.0
+    set_dir: str = ""                 # the checkpoint set this file may belong to (not journaled)
 
     def to_record(self) -> dict:
         return {"type": "verification", "path": self.path, "result": self.result,
@@ -80,6 +93,12 @@ def _content_free(verdict: integrity.Verdict) -> str:
     return reason
 
 
+@dataclass(frozen=True)
+class _SetJob:
+    directory: str
+    runs: dict
+
+
 @dataclass
 class _Due:
     at: float
@@ -98,6 +117,8 @@ class VerifySchedule:
     # whose hooks wrote there, or None once the agent's own watcher saw a write there. Bounded
     # like _due (the oldest path is forgotten first: then nobody's, and it is not read).
     _senders: OrderedDict = field(default_factory=OrderedDict)
+    _sets: dict = field(default_factory=dict)          # set directory -> when it is due
+    _runs: OrderedDict = field(default_factory=OrderedDict)   # path -> last writer's run key
 
     def write_finished(self, path: str, job: str, now: float, watched: bool = False) -> None:
         entry = self._due.pop(path, None) or _Due(now, job)
@@ -105,6 +126,7 @@ class VerifySchedule:
         entry.job = job or entry.job
         if watched:
             self._note(path, None)
+        self._set_busy(path, now + self.quiet)
         self._due[path] = entry           # re-inserted: dict order = due order
         if len(self._due) > self.max_paths:
             self._due.pop(next(iter(self._due)))
@@ -115,6 +137,7 @@ class VerifySchedule:
         entry = self._due.get(path)
         if entry is not None:
             entry.at = float("inf")
+        self._set_busy(path, float("inf"))     # a set being written is not quiet either
         if watched or sender is not None:
             self._note(path, None if watched else sender)
 
@@ -134,6 +157,42 @@ class VerifySchedule:
         if entry is None:
             entry = self._due[path] = _Due(now + self.quiet)
         entry.collision_id = collision_id
+
+    def note_run(self, path: str, run_key) -> None:
+        """The run key of `path`'s last writer (a finished Write), for set checks."""
+        if run_key is None:
+            return
+        self._runs.pop(path, None)
+        self._runs[path] = run_key
+        if len(self._runs) > self.max_paths:
+            self._runs.popitem(last=False)
+
+    def member_verified(self, directory: str, now: float) -> None:
+        """A file of the set in `directory` was verified: the set is due `quiet` later."""
+        self._sets.pop(directory, None)
+        self._sets[directory] = now + self.quiet
+        if len(self._sets) > self.max_paths:
+            self._sets.pop(next(iter(self._sets)))
+
+    def verified(self, results, now: float) -> None:
+        for v in results:
+            if v.set_dir:
+                self.member_verified(v.set_dir, now)
+
+    def due_sets(self, now: float) -> list[tuple[str, dict]]:
+        """(directory, {member path: run key}) of every set quiet since `quiet`; removed."""
+        ready = [d for d, at in self._sets.items() if at <= now]
+        out = []
+        for directory in ready:
+            del self._sets[directory]
+            runs = {p: k for p, k in self._runs.items() if os.path.dirname(p) == directory}
+            out.append((directory, runs))
+        return out
+
+    def _set_busy(self, path: str, at: float) -> None:
+        directory = os.path.dirname(path)
+        if directory in self._sets:
+            self._sets[directory] = at
 
     def due(self, now: float) -> list[tuple[str, str, str, tuple | None]]:
         """(path, job, collision_id, readers) of every path quiet since `quiet` seconds;
@@ -198,6 +257,39 @@ class Verifier:
             self.skipped_total += 1
             return False
 
+    def submit_set(self, directory: str, runs: dict | None = None) -> bool:
+        try:
+            self._inbox.put_nowait(_SetJob(directory, runs or {}))
+            return True
+        except queue.Full:
+            self.skipped_total += 1
+            return False
+
+    def verify_sets(self, directory: str, runs: dict | None = None) -> list[Verification]:
+        """Verify every checkpoint set in `directory` with the agent's rights (the worker's
+        step for a due set); [] when its files are unchanged since the last time."""
+        sig = checkpoint_sets.signature(directory)
+        key = ("set", directory)
+        if self._verified.get(key) == sig:
+            self.unchanged_total += 1
+            return []
+        self._verified[key] = sig
+        self._verified.move_to_end(key)
+        if len(self._verified) > MAX_REMEMBERED:
+            self._verified.popitem(last=False)
+        out = []
+        for s in checkpoint_sets.find_sets(directory, checkpoint_sets.listing(directory)):
+            started = time.monotonic()
+            v = checkpoint_sets.verify_set(s, runs=runs, follow_symlinks=False)
+            cause = v.details.get("cause", "") if v.status == integrity.CORRUPT else ""
+            reason = v.reason
+            if reason.startswith("verifier error: "):
+                reason = reason.split(":", 2)[0] + ":" + reason.split(":", 2)[1]
+            out.append(Verification(directory, v.status, v.format, reason, cause, False,
+                                    v.details.get("bytes"), time.monotonic() - started,
+                                    wall=self._wall()))
+        return out
+
     def drain(self) -> list[Verification]:
         out = []
         while True:
@@ -212,7 +304,12 @@ class Verifier:
         is unchanged since it was last verified, or when `readers` is a tuple of senders none
         of whom could read it (see module doc); readers=None reads with the agent's rights."""
         if readers is None:
-            return self._verify(path, path, job, collision_id)
+            result = self._verify(path, path, job, collision_id)
+            if result is not None and result.result != RESULT_GONE:
+                set_dir = checkpoint_sets.set_of(path)
+                if set_dir is not None:
+                    result = dataclasses.replace(result, set_dir=set_dir)
+            return result
         fd = None
         for sender in readers:
             try:
@@ -269,6 +366,10 @@ class Verifier:
             if item is None:
                 return
             try:
+                if isinstance(item, _SetJob):
+                    for result in self.verify_sets(item.directory, item.runs):
+                        self._outbox.put(result)
+                    continue
                 result = self.verify(*item)
                 if result is not None:
                     self._outbox.put(result)
