@@ -40,6 +40,7 @@ from prometheus_client.exposition import choose_encoder
 
 from ckptwatch.events import REJECT_REASONS
 from exporters.labels import OVERFLOW, LabelLimits, LabelValues, clean
+from monitor.detect.detector import REFUSE_REASONS as START_REFUSE_REASONS
 from monitor.ingest import EVICT_REASONS, REFUSE_REASONS
 from monitor.verify.integrity import CAUSES as CORRUPT_CAUSES
 from monitor.detect.model import (FINDING_VERIFICATION, SOURCE_FS, SOURCE_HOOK, Collision,
@@ -99,6 +100,8 @@ class MetricsSnapshot:
     label_values: Mapping[str, int] = field(default_factory=dict)   # label -> values held
     label_values_overflowed: Mapping[str, int] = field(default_factory=dict)  # label -> n
     jobs_expired: int = 0                                           # jobs idle past expiry
+    starts_refused: Mapping[str, int] = field(default_factory=dict)  # reason -> starts refused
+    loop_lag: float = 0.0                  # seconds the oldest queued event has waited
 
 
 def _format_bound(bound: float) -> str:
@@ -173,6 +176,8 @@ class MetricsState:
         self._fs: dict = {}
         self._verifications: dict[str, int] = {r: 0 for r in VERIFY_RESULTS}
         self._corrupt: dict[str, int] = {c: 0 for c in CORRUPT_CAUSES}
+        self._starts_refused: dict[str, int] = {r: 0 for r in START_REFUSE_REASONS}
+        self._loop_lag = 0.0
 
     # -- bounded label values (call with the lock held) ------------------------------------
 
@@ -315,6 +320,17 @@ class MetricsState:
             self._ingest_refused = dict(refused)
             self._ingest_evicted = dict(evicted)
 
+    def set_detector_limits(self, open_writes: int, refused: Mapping[str, int]) -> None:
+        """The detector's starts refused at an open-write cap, by reason (Detector.
+        refused_starts); open_writes is already exported per job as active writes."""
+        with self._lock:
+            self._starts_refused = dict(refused)
+
+    def set_loop_lag(self, seconds: float) -> None:
+        """How long the oldest event still queued for the agent loop has waited."""
+        with self._lock:
+            self._loop_lag = float(seconds)
+
     def http_connection_dropped(self, reason: str) -> None:
         """A /metrics or /healthz connection closed early (HTTP_DROP_REASONS)."""
         with self._lock:
@@ -373,6 +389,8 @@ class MetricsState:
                                                "rank": len(self._rank_values)}),
                 label_values_overflowed=MappingProxyType(dict(self._overflowed)),
                 jobs_expired=self._jobs_expired,
+                starts_refused=MappingProxyType(dict(self._starts_refused)),
+                loop_lag=self._loop_lag,
             )
 
     def _histogram(self, series: _JobSeries) -> Histogram:
@@ -475,6 +493,15 @@ class CkptwatchCollector:
                       "full; the oldest idle connection of the biggest holder) or "
                       "stalled_frame (a frame left unfinished too long).",
                       ["reason"], s.ingest_evicted)
+        yield _family(CounterMetricFamily, "ckptwatch_detector_starts_refused",
+                      "Write starts the detector refused because their process "
+                      "(writer_open_limit), path (path_open_limit) or the agent (open_limit) "
+                      "already held its cap of writes in flight; their ends still count.",
+                      ["reason"], s.starts_refused)
+        yield GaugeMetricFamily("ckptwatch_loop_lag_seconds",
+                                "How long the oldest event queued for the agent loop has "
+                                "waited (/healthz fails above 10 s).",
+                                value=s.loop_lag)
         yield _family(CounterMetricFamily, "ckptwatch_http_connections_dropped",
                       "Metrics-port connections closed early: timeout (idle or slow client), "
                       "client_gone (hung up mid-answer), evicted (idle, to free a thread), "

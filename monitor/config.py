@@ -57,6 +57,7 @@ class Config:
     collision_settle: float = 1.0
     collision_stale_after: float = 3600.0
     collision_max_paths: int = 10000
+    collision_max_hold: float = 3.0
     log_level: str = "info"
     log_format: str = "logfmt"
     size_tolerance: float = 0.01              # relative size difference that counts
@@ -270,13 +271,17 @@ OPTIONS = (
     Option("metrics.job-idle-expiry", "metrics_job_idle_expiry", _number(float, 0),
            "seconds without an update after which a training job's series are dropped and "
            "its place freed (0: never)"),
+    Option("collision.max-hold", "collision_max_hold", _number(float, 0),
+           "seconds, after settle, a write still in flight may hold back the report of a "
+           "concurrent collision it is part of; then the collision is reported naming it as "
+           "in flight (a live but silent writer cannot hide a collision)"),
     Option("log.level", "log_level", _choice(LOG_LEVELS),
            f"log level: {', '.join(LOG_LEVELS)}"),
     Option("log.format", "log_format", _choice(LOG_FORMATS),
            f"log line format: {', '.join(LOG_FORMATS)}"),
     Option("node.name", "node", _name,
-           "this node's name in events from the filesystem watcher (the hook's own events "
-           "carry CKPTWATCH_NODE or the trainer's host name)",
+           "this node's name: the node of every write the agent sees, from the hook or the "
+           "filesystem watcher (what a hook claims in its events is not trusted)",
            lambda: "$CKPTWATCH_NODE or the host name"),
     Option("watch.path", "watch_paths", _path_list,
            "directory to watch for checkpoint writes by any process, recursively; repeat "

@@ -16,6 +16,7 @@ import signal
 import sys
 import threading
 import time
+from collections import deque
 
 import psutil
 
@@ -40,13 +41,14 @@ TICK_SECONDS = 0.2          # detector.tick() cadence: settles collisions, expir
 BATCH = 4096                # events taken from the queue per turn
 MAX_BACKLOG = 20_000        # events waiting before ingest stops reading (~40 MB, ~0.5 s of flood)
 STALL_SECONDS = 30.0        # /healthz fails when the loop has not turned for this long
+MAX_LAG_SECONDS = 10.0      # ... or when an event has waited this long for the loop to take it
 FS_TURN_SECONDS = 0.05      # loop wait with a filesystem source (see Agent.serve)
 
 
 def pid_alive(node: str, pid: int) -> bool:
     """Is a writer still running? The node name is not consulted: ingest checked every event's
-    pid against the kernel's peer credentials, so each writer is a process of this node's pid
-    namespace whatever node name it reports (CKPTWATCH_NODE may differ from the host name)."""
+    pid against the kernel's peer credentials and the agent stamps its own node name on every
+    hook event (Agent.hook_batch), so each writer is a process of this node's pid namespace."""
     return psutil.pid_exists(pid)
 
 
@@ -108,8 +110,12 @@ class Checks:
         return results
 
 
-def health_check(ingest: IngestServer, heartbeat: list[float], fs: FsSource | None = None):
-    """/healthz: unhealthy when a source's thread died or the core loop stopped turning."""
+def health_check(ingest: IngestServer, heartbeat: list[float], fs: FsSource | None = None,
+                 inbox: "Inbox | None" = None, max_lag: float = MAX_LAG_SECONDS,
+                 clock=time.monotonic):
+    """/healthz: unhealthy when a source's thread died, the core loop stopped turning, or it
+    turns but is behind: the oldest event waiting for it has waited more than max_lag
+    (a loop that keeps up takes every batch within a tick)."""
     def health() -> tuple[bool, str]:
         if not ingest.alive:
             return False, "ingest thread is not running"
@@ -117,28 +123,44 @@ def health_check(ingest: IngestServer, heartbeat: list[float], fs: FsSource | No
             return False, f"socket {ingest.path} was removed or replaced since the agent bound it"
         if fs is not None and not fs.alive:
             return False, "filesystem attribution thread is not running"
-        if time.monotonic() - heartbeat[0] > STALL_SECONDS:
+        if clock() - heartbeat[0] > STALL_SECONDS:
             return False, "agent loop stalled"
+        if inbox is not None:
+            lag = inbox.oldest_wait()
+            if lag > max_lag:
+                return False, (f"agent loop behind: oldest queued event waited {lag:.1f}s "
+                               f"({inbox.backlog()} queued)")
         return True, ""
     return health
 
 
 class Inbox:
-    """Event batches from the ingest thread to the loop, with a count for back-pressure."""
+    """Event batches from the ingest thread to the loop, with a count for back-pressure and
+    the time each batch was queued, so health can tell a loop that is behind."""
 
-    def __init__(self):
+    def __init__(self, clock=time.monotonic):
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._pending = 0
+        self._clock = clock
+        self._queued_at: deque = deque()    # one time per batch, in queue order
 
     def put(self, batch: list) -> None:
         with self._lock:
             self._pending += len(batch)
-        self._queue.put(batch)
+            self._queued_at.append(self._clock())
+            self._queue.put(batch)          # under the lock: times stay in queue order
 
     def backlog(self) -> int:
         """Events waiting for the loop."""
         return self._pending
+
+    def oldest_wait(self) -> float:
+        """Seconds the oldest batch still queued has waited (0 when none is)."""
+        try:
+            return max(0.0, self._clock() - self._queued_at[0])
+        except IndexError:
+            return 0.0
 
     def take(self, timeout: float) -> list[dict]:
         """Up to about BATCH events; waits up to `timeout` for the first batch."""
@@ -147,13 +169,17 @@ class Inbox:
                 list(self._queue.get_nowait())
         except queue.Empty:
             return []
+        taken = 1
         while len(batch) < BATCH:
             try:
                 batch.extend(self._queue.get_nowait())
             except queue.Empty:
                 break
+            taken += 1
         with self._lock:
             self._pending -= len(batch)
+            for _ in range(taken):
+                self._queued_at.popleft()
         return batch
 
 
@@ -202,7 +228,8 @@ class Agent:
                               socket_mode=config.socket_mode, socket_group=config.socket_group)
         detector = Detector(window=config.collision_window, settle=config.collision_settle,
                             stale_after=config.collision_stale_after,
-                            max_paths=config.collision_max_paths, pid_alive=pid_alive)
+                            max_paths=config.collision_max_paths, pid_alive=pid_alive,
+                            max_hold=config.collision_max_hold)
         sizes = SizeHistory(config.collision_window, config.size_tolerance,
                             config.collision_max_paths)
         merger = fs = None
@@ -216,7 +243,7 @@ class Agent:
                           config.watch_poll_interval, config.node, fs_inbox.put,
                           attribution=config.watch_attribution)
         server = MetricsServer(config.listen_address, build_registry(state),
-                               health=health_check(ingest, heartbeat, fs),
+                               health=health_check(ingest, heartbeat, fs, inbox),
                                on_dropped=state.http_connection_dropped,
                                web_config=config.web_config,
                                telemetry_path=config.telemetry_path)
@@ -324,7 +351,12 @@ class Agent:
     def hook_batch(self, batch: list[dict]) -> None:
         self.state.event_received(len(batch))
         merger, fs = self.merger, self.fs
+        node = self.config.node
         for event in batch:
+            # Everything on our socket comes from a process of this node (ingest checked its
+            # pid against the kernel's credentials): the node is ours, whatever the sender
+            # claims, so one process cannot pose as two writers (docs/decisions.md).
+            event["node"] = node
             kind = event["type"]
             if kind == "dropped":
                 self.state.client_dropped(event["count"])
@@ -385,6 +417,9 @@ class Agent:
         self.state.set_active_writes(self.detector.active_writes())
         self.state.set_detector_stats(self.detector.tracked_paths,
                                       self.detector.evicted_paths_total)
+        self.state.set_detector_limits(self.detector.open_writes,
+                                       self.detector.refused_starts)
+        self.state.set_loop_lag(self.inbox.oldest_wait())
         self.state.set_ingest_connections(self.ingest.connections)
         self.state.set_ingest_limits(self.ingest.refused, self.ingest.evicted)
         if self.fs is not None:

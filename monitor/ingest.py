@@ -9,6 +9,13 @@ connection it arrived on, so a process cannot report writes on behalf of another
 translates the peer pid into the agent's pid namespace. A trainer in its own pid namespace (a
 container without hostPID) reports the pid it sees itself, so the claim is also accepted when it
 equals the peer's innermost namespace pid (the last field of NSpid in /proc/<pid>/status).
+The kernel names the connecting process once (SO_PEERCRED), but a forked child inherits the
+connection and could go on speaking as its parent, even after the parent exited. So the socket
+also asks for per-message credentials (SO_PASSCRED): every read returns the pid of the process
+that wrote those bytes (the kernel never merges two writers' bytes into one read, and only
+CAP_SYS_ADMIN can claim another pid). Bytes written by any process other than the peer are
+rejected ("pid_mismatch") and the connection is closed: its stream is no longer one writer's
+frames. The hook needs no change for this (a child re-connects after fork).
 Accepted events then carry the agent-side pid: two containers can both have a pid 1, and the
 agent-side pid is unique on the node and can be checked for liveness. An agent in a pid
 namespace that cannot see the trainers at all gets peer pid 0 and rejects every event as
@@ -44,6 +51,7 @@ from monitor.sender import Sender, peer_sender
 log = logging.getLogger("ckptwatch.ingest")
 
 _PEERCRED = struct.Struct("3i")     # struct ucred: pid, uid, gid
+_CRED_SPACE = socket.CMSG_SPACE(_PEERCRED.size)    # room for one SCM_CREDENTIALS per read
 _CHUNK = 256 * 1024                 # bytes per recv: thousands of small events per syscall
 _READS_PER_TURN = 8                 # then serve other connections (fairness)
 _BACKLOG = 4096                     # the kernel caps it at net.core.somaxconn
@@ -92,7 +100,9 @@ class _Conn:
 
 
 REFUSE_REASONS = ("pid_limit", "uid_limit")          # a new connection closed at once
-EVICT_REASONS = ("make_room", "stalled_frame")       # an open connection closed by the agent
+# An open connection closed by the agent; foreign_writer: bytes from a process other than
+# the one that connected (a forked child on an inherited connection).
+EVICT_REASONS = ("make_room", "stalled_frame", "foreign_writer")
 
 
 class IngestServer:
@@ -146,6 +156,8 @@ class IngestServer:
         self._prepare_path()
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
+            # Inherited by every accepted socket: credentials on each message (see module doc).
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
             listener.bind(self.path)
             st = os.lstat(self.path)
             self._identity = (st.st_dev, st.st_ino)
@@ -427,11 +439,13 @@ class IngestServer:
     def _read(self, conn: _Conn) -> None:
         for _ in range(_READS_PER_TURN):
             try:
-                data = conn.sock.recv(_CHUNK)
+                data, ancillary, _flags, _addr = conn.sock.recvmsg(_CHUNK, _CRED_SPACE)
             except (BlockingIOError, InterruptedError):
                 return
             except OSError:             # ECONNRESET etc.: same as a close
-                data = b""
+                data, ancillary = b"", ()
+            if ancillary and data and self._foreign_writer(conn, ancillary):
+                return
             if not data:
                 if conn.reader.pending():
                     self._reject(events.REJECT_TRUNCATED)
@@ -454,6 +468,25 @@ class IngestServer:
             self._deliver(conn, payloads)
             if len(data) < _CHUNK:
                 return
+
+    def _foreign_writer(self, conn: _Conn, ancillary) -> bool:
+        """Were these bytes written by a process other than the connection's peer? Then
+        reject them and close the connection (see module doc)."""
+        for level, kind, data in ancillary:
+            if level != socket.SOL_SOCKET or kind != socket.SCM_CREDENTIALS \
+                    or len(data) < _PEERCRED.size:
+                continue
+            writer = _PEERCRED.unpack_from(data)[0]
+            if writer == conn.pid or writer == 0:   # 0: bytes that carry no credentials
+                return False
+            self.evicted["foreign_writer"] += 1
+            self._refusals.occurred(
+                "foreign_writer", "closing the connection of pid %d: pid %d wrote on it "
+                "(a forked child on an inherited connection?)", conn.pid, writer)
+            self._reject(events.REJECT_PID_MISMATCH)
+            self._close(conn)
+            return True
+        return False
 
     def _deliver(self, conn: _Conn, payloads: list) -> None:
         good = []

@@ -376,3 +376,111 @@ def test_wait_judged_returns_only_after_a_pending_collision_is_journaled(workdir
         assert agent.collisions() == []          # still settling
         agent.wait_judged()
         assert [c["path"] for c in agent.collisions()] == [path]
+
+
+def test_health_fails_while_the_loop_is_behind_its_queue(sockdir, no_thread_leak):
+    """/healthz fails once the oldest event waiting for the loop has waited MAX_LAG_SECONDS,
+    and recovers when the loop takes it (issue 8 item 5: a loop that is behind is unhealthy)."""
+    import time
+
+    from monitor.daemon import MAX_LAG_SECONDS, Inbox, health_check
+    from monitor.ingest import IngestServer
+
+    now = [100.0]
+    inbox = Inbox(clock=lambda: now[0])
+    ingest = IngestServer(os.path.join(sockdir, "lag.sock"), lambda e: None, lambda r: None)
+    health = health_check(ingest, [time.monotonic()], inbox=inbox, clock=lambda: now[0])
+    ingest.start()
+    try:
+        inbox.put([{"type": "start"}])
+        now[0] += 1.0
+        inbox.put([{"type": "start"}])
+        now[0] += MAX_LAG_SECONDS - 1.0
+        assert health() == (True, "")
+        now[0] += 0.5
+        ok, reason = health()
+        assert not ok and reason.startswith("agent loop behind: oldest queued event waited")
+        assert len(inbox.take(0)) == 2
+        assert health() == (True, "") and inbox.oldest_wait() == 0.0
+    finally:
+        ingest.stop()
+
+
+def test_node_is_the_agents_own_not_the_senders_claim(workdir):
+    """One process naming two nodes is still one writer: no collision with itself, and its
+    writes are journaled under the agent's --node.name (issue 8 item 7a)."""
+    with start_agent(workdir, *FAST, "--node.name", "agent-node") as agent:
+        code = r'''
+import os, socket, sys, time
+from ckptwatch import events
+s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+s.connect(sys.argv[1])
+def ev(kind, node, seq, t0):
+    e = {"v": 1, "type": kind, "node": node, "pid": os.getpid(), "seq": seq,
+         "path": "/ckpt/forged.pt", "wall": time.time(), "mono": time.monotonic(),
+         "job": "forge", "rank": 0}
+    if kind == "end":
+        e.update(start_wall=t0[0], start_mono=t0[1], bytes=10, outcome="ok")
+    return events.encode(e)
+t0 = (time.time(), time.monotonic())
+s.sendall(ev("start", "node-a", 1, t0) + ev("start", "node-b", 1, t0)
+          + ev("end", "node-a", 1, t0) + ev("end", "node-b", 1, t0))
+sys.stdin.read()      # stay alive until the agent has everything
+'''
+        from helpers import subprocess_env
+        proc = subprocess.Popen([sys.executable, "-c", code, agent.socket],
+                                stdin=subprocess.PIPE, env=subprocess_env())
+        try:
+            wait_for(lambda: (agent.metric("ckptwatch_events_received_total") or 0) >= 4,
+                     message="4 events received")
+            agent.wait_judged()
+        finally:
+            proc.stdin.close()
+            proc.wait(10)
+        assert agent.collisions() == []
+        writes = [r for r in agent.journal_records() if r["type"] == "write"]
+        # (The second end of the same (pid, seq) stands alone: still the same one writer.)
+        assert writes and {(w["node"], w["pid"]) for w in writes} == {("agent-node",
+                                                                         proc.pid)}
+
+
+def test_a_flood_of_open_starts_does_not_delay_a_real_collision(workdir):
+    """20,000 starts that never end, on one path, from one live process; then two other
+    processes collide on that path: journaled within 5 s (issue 8 item 5)."""
+    import time
+
+    path = "/ckpt/flooded.pt"
+    with start_agent(workdir) as agent, EventSender(agent.socket, path, job="flood") as flood:
+        # One raw write of 20,000 start frames (a real process, its own pid).
+        code = r'''
+import os, socket, sys, time
+from ckptwatch import events
+s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+s.connect(sys.argv[1])
+frames = [events.encode({"v": 1, "type": "start", "node": "n", "pid": os.getpid(), "seq": i,
+                         "path": sys.argv[2], "wall": time.time(), "mono": time.monotonic(),
+                         "job": "flood"}) for i in range(20000)]
+s.sendall(b"".join(frames))
+print("sent", flush=True)
+sys.stdin.read()
+'''
+        from helpers import subprocess_env
+        flooder = subprocess.Popen([sys.executable, "-c", code, agent.socket, path],
+                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                   env=subprocess_env())
+        try:
+            assert flooder.stdout.readline().strip() == "sent"
+            flood.start()       # and one more open write, from yet another live process
+            began = time.monotonic()
+            overlapping_writes(agent, path, job="flood")
+            collision = agent.wait_for_collision(timeout=5.0)
+            took = time.monotonic() - began
+            assert took < 5.0
+            assert {w["pid"] for w in collision["writers"] if w["outcome"] == "ok"} and \
+                len({w["pid"] for w in collision["writers"]}) >= 3
+            refused = agent.metric("ckptwatch_detector_starts_refused_total",
+                                   reason="writer_open_limit")
+            assert refused and refused > 19_000
+        finally:
+            flooder.stdin.close()
+            flooder.wait(10)

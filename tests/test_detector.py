@@ -196,8 +196,9 @@ def test_late_start_within_settle_joins_the_group():
                             (1.0, end(1, 1, 1.0, 0.0)), (1.1, end(2, 1, 1.1, 0.1)),
                             (1.9, start(3, 1, 0.9))])      # started at 0.9, arrives at 1.9
     assert collisions(out) == []
-    assert collisions(advance(det, clock, 5.0)) == []      # pid 3 is still in flight
-    out = feed(det, clock, [(5.0, end(3, 1, 5.0, 0.9))])
+    # pid 3 is still in flight: it holds the group back (for at most settle + max_hold)
+    assert collisions(advance(det, clock, 4.5)) == []
+    out = feed(det, clock, [(4.6, end(3, 1, 4.6, 0.9))])
     out += advance(det, clock, 6.5)
     [c] = collisions(out)
     assert sorted(w.writer.pid for w in c.writes) == [1, 2, 3]
@@ -448,7 +449,9 @@ def test_random_intervals_match_brute_force_reference(seed):
             events.append((arrive_e, end(pid, seq, e, s, job=job, restart=restart)))
     events.sort(key=lambda x: x[0])
     clock = FakeClock(0.0)
-    det = make(clock, settle=settle, window=window)
+    # The reference builds maximal groups: no write is held long enough here for max_hold to
+    # cut a group short (that is tested on its own below).
+    det = make(clock, settle=settle, window=window, max_hold=1000.0)
     out = []
     ticks = iter([t / 4 for t in range(0, 400)])
     next_tick = next(ticks)
@@ -500,6 +503,132 @@ def test_a_storm_of_overlapping_writes_stays_bounded(monkeypatch):
         out += feed(det, clock, [(t, start(pid, i, t)), (t + 0.5, previous_end)])
         assert len(next(iter(det._paths.values())).entries) <= MAX_PATH_WRITES + 1
     out += det.flush()
-    seen = [(w.writer.pid, w.seq) for c in collisions(out) for w in c.writes]
-    assert len(seen) == len(set(seen)) == n
-    assert len(collisions(out)) >= 2
+    # Every write is named; a finished one at most once (the last may only be named in flight).
+    assert len({(w.writer.pid, w.seq) for c in collisions(out) for w in c.writes}) == n
+    finished = [(w.writer.pid, w.seq) for c in collisions(out) for w in c.writes if w.finished]
+    assert len(finished) == len(set(finished)) >= n - 1
+    # max_hold cuts the endless group into collisions a few seconds apart; a write in flight
+    # at a cut is named in flight there, and finished in the next one.
+    assert len(collisions(out)) >= n // 10     # one every few seconds of the storm
+    for c in collisions(out):
+        assert sum(not w.finished for w in c.writes) <= 1
+
+
+# --- hostile input: open writes that never end (issue 8, defects 5 and 7b) ----------------
+
+class LineBudget:
+    """Counts the Python lines executed in monitor/detect/ while active and fails as soon as
+    they exceed `limit`: an operation count, not a timing, so it is exact under any load."""
+
+    def __init__(self, limit):
+        self.limit, self.lines = limit, 0
+
+    def _local(self, frame, event, arg):
+        if event == "line":
+            self.lines += 1
+            if self.lines > self.limit:
+                raise AssertionError(f"detector work over budget: {self.lines} lines")
+        return self._local
+
+    def _global(self, frame, event, arg):
+        if "/monitor/detect/" in frame.f_code.co_filename:
+            return self._local
+        return None
+
+    def __enter__(self):
+        import sys
+        self._previous = sys.gettrace()
+        sys.settrace(self._global)
+        return self
+
+    def __exit__(self, *exc):
+        import sys
+        sys.settrace(self._previous)
+
+
+FLOOD = 20_000
+LINES_PER_EVENT = 120       # a few dozen lines per event is the linear cost; quadratic is 1000s
+
+
+def test_a_flood_of_open_starts_costs_bounded_work_per_event_and_bounded_memory():
+    clock = FakeClock(0.0)
+    det = make(clock, pid_alive=lambda node, pid: True)
+    with LineBudget(LINES_PER_EVENT * FLOOD):
+        for i in range(FLOOD):
+            clock.now = i * 1e-5
+            det.observe(start(666, i, clock.now))
+        det.tick()
+    from monitor.detect.detector import MAX_OPEN_PER_WRITER
+    assert det.open_writes == MAX_OPEN_PER_WRITER
+    assert det.refused_starts["writer_open_limit"] == FLOOD - MAX_OPEN_PER_WRITER
+    assert len(det._paths[PATH].entries) <= MAX_OPEN_PER_WRITER
+
+
+def test_a_flood_of_open_starts_does_not_delay_a_real_collision():
+    clock = FakeClock(0.0)
+    det = make(clock, pid_alive=lambda node, pid: True)
+    for i in range(FLOOD):
+        clock.now = i * 1e-5
+        det.observe(start(666, i, clock.now))
+    out = feed(det, clock, [(1.0, start(1, 1, 1.0)), (1.1, start(2, 1, 1.1)),
+                            (1.5, end(1, 1, 1.5, 1.0)), (1.6, end(2, 1, 1.6, 1.1))])
+    for _ in range(25):                     # 5 s of ticks at the agent's 0.2 s cadence
+        out += advance(det, clock, clock.now + 0.2)
+    [c] = collisions(out)
+    assert c.kind == KIND_CONCURRENT
+    done = {w.writer.pid for w in c.writes if w.finished}
+    assert done == {1, 2}
+    # The silent writer is named, still in flight.
+    assert {w.writer.pid for w in c.writes if not w.finished} == {666}
+
+
+def test_a_live_silent_writer_does_not_hide_a_collision_past_max_hold():
+    clock = FakeClock(0.0)
+    det = make(clock, settle=1.0, pid_alive=lambda node, pid: True)   # max_hold 3 s
+    out = feed(det, clock, [(0.0, start(9, 1, 0.0)),          # opened, never ended
+                            (10.0, start(1, 1, 10.0)), (10.2, start(2, 1, 10.2)),
+                            (10.5, end(1, 1, 10.5, 10.0)), (10.6, end(2, 1, 10.6, 10.2))])
+    out += advance(det, clock, 10.6 + 0.9)
+    assert collisions(out) == []            # the finished writes are still settling
+    # pid 9 has been open far longer than settle + max_hold: it holds nothing back.
+    out += advance(det, clock, 10.6 + 1.0)
+    [c] = collisions(out)
+    assert [(w.writer.pid, w.finished) for w in c.writes] == [(9, False), (1, True),
+                                                               (2, True)]
+    assert c.last.writer.pid == 9           # the one still writing finishes last
+    assert c.overlap_seconds == pytest.approx(0.6)
+    # Later, when it ends alone, nothing new: no second report of the same collision.
+    out = feed(det, clock, [(30.0, end(9, 1, 30.0, 0.0))])
+    out += advance(det, clock, 100.0)
+    assert collisions(out) == [] and [w.writer.pid for w in writes(out)] == [9]
+    assert det.tracked_paths == 0
+
+
+def test_two_silent_writers_are_reported_once_while_still_in_flight():
+    clock = FakeClock(0.0)
+    det = make(clock, settle=1.0, pid_alive=lambda node, pid: True)   # max_hold 3 s
+    out = feed(det, clock, [(0.0, start(1, 1, 0.0)), (0.5, start(2, 1, 0.5))])
+    for t in range(1, 20):
+        out += advance(det, clock, float(t))
+    [c] = collisions(out)
+    assert [w.finished for w in c.writes] == [False, False]
+    out = feed(det, clock, [(30.0, end(1, 1, 30.0, 0.0)), (31.0, end(2, 1, 31.0, 0.5))])
+    out += advance(det, clock, 100.0)
+    assert collisions(out) == []
+    assert det.tracked_paths == 0
+
+
+def test_open_writes_are_capped_per_path_and_the_excess_ends_still_count():
+    from monitor.detect.detector import MAX_OPEN_PER_PATH, MAX_OPEN_PER_WRITER
+    clock = FakeClock(0.0)
+    det = make(clock, pid_alive=lambda node, pid: True)
+    writers = MAX_OPEN_PER_PATH // MAX_OPEN_PER_WRITER + 1
+    for pid in range(100, 100 + writers):
+        for seq in range(MAX_OPEN_PER_WRITER):
+            det.observe(start(pid, seq, 0.0))
+    assert det.open_writes == MAX_OPEN_PER_PATH
+    assert det.refused_starts["path_open_limit"] == MAX_OPEN_PER_WRITER * writers - \
+        MAX_OPEN_PER_PATH
+    # A refused start's end still reports its write (it stands alone).
+    out = det.observe(end(100 + writers - 1, 0, 1.0, 0.0))
+    assert [w.writer.pid for w in writes(out)] == [100 + writers - 1]

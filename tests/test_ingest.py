@@ -335,3 +335,44 @@ def test_batched_delivery_hands_over_lists_of_valid_events_only(sockdir, no_thre
         assert rejects == ["pid_mismatch"]
     finally:
         srv.stop()
+
+
+FORK_SENDER = r"""
+import os, socket, sys, time
+sys.path.insert(0, {root!r})
+from ckptwatch import events
+s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+s.connect({path!r})
+parent = os.getpid()
+def ev(seq):
+    return events.encode({{"v": 1, "type": "start", "node": "n1", "pid": parent, "seq": seq,
+                          "path": "/ckpt/fork.pt", "wall": time.time(),
+                          "mono": time.monotonic()}})
+s.sendall(ev(1))                      # the parent's own event: accepted
+r, w = os.pipe()
+if os.fork() == 0:
+    os.close(w)
+    os.read(r, 1)                     # returns b"" once the parent has exited
+    s.sendall(ev(2) + ev(3))          # the child speaks as its exited parent
+    print("child sent", flush=True)
+    os._exit(0)
+os._exit(0)                           # the parent exits; the child keeps the connection
+"""
+
+
+def test_forked_child_cannot_speak_as_its_exited_parent(server):
+    """A forked child inherits its parent's connection: its events claim the parent's pid,
+    which SO_PEERCRED vouches for. The kernel's per-message credentials name the real
+    sender, so they are rejected and the connection closed (issue 8 item 7c)."""
+    code = FORK_SENDER.format(
+        root=os.path.dirname(os.path.dirname(os.path.abspath(events.__file__))),
+        path=server.path)
+    proc = subprocess.run([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                          timeout=30)
+    assert proc.returncode == 0
+    wait_for(lambda: server.rec.rejects or len(server.rec.events) > 1,
+             message="the child's events judged")
+    time.sleep(0.2)                   # anything else the child sent has been read by now
+    assert [e["seq"] for e in server.rec.events] == [1]
+    assert server.rec.rejects == ["pid_mismatch"]
+    assert server.evicted["foreign_writer"] == 1

@@ -314,6 +314,9 @@ def render_collision(c: Collision, width: int = 80) -> list:
         if w.outcome == "lost":
             lines += _wrapped("", f"{_who(w)}: its end was never seen (the process died or "
                               "stalled); duration is up to its last sign of life", width)
+        elif w.end_wall is None:
+            lines += _wrapped("", f"{_who(w)}: still writing when the collision was reported "
+                              "(it held the report back for collision.max-hold)", width)
         elif w.outcome not in (None, "ok"):
             lines += _wrapped("", f"{_who(w)}: the save raised {clean(w.outcome)}", width)
     last = c.last

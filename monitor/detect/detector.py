@@ -68,7 +68,20 @@ MAX_CHAIN_WRITES = 256
 MAX_PATH_WRITES = 1024
 # Keys of writes closed as "lost": their real end, if it still arrives, must not count twice.
 _LOST_KEYS_CAP = 65536
+# Open (started, not ended) writes held at once: per writer, per path, in all. A real process
+# has one or a few saves in flight; beyond a cap a start is refused and counted
+# (refused_starts), and its end, if it comes, still reports the write standing alone. The caps
+# bound the memory and the work a process can cause by starting writes it never ends.
+MAX_OPEN_PER_WRITER = 64
+MAX_OPEN_PER_PATH = 256
+MAX_OPEN_TOTAL = 16384
+REFUSE_REASONS = ("writer_open_limit", "path_open_limit", "open_limit")
+# How long, after `settle`, a write still in flight may hold back the report of a concurrent
+# collision it belongs to (docs/decisions.md, "In-flight writes do not hide collisions").
+DEFAULT_MAX_HOLD = 3.0
 _INF = float("inf")
+# Shedding keeps MAX_PATH_WRITES // 2 writes, which must leave room for every open one.
+assert MAX_OPEN_PER_PATH < MAX_PATH_WRITES // 2
 
 
 class _Entry:
@@ -76,7 +89,7 @@ class _Entry:
 
     __slots__ = ("writer", "path", "seq", "start_wall", "start_mono", "end_wall", "end_mono",
                  "bytes", "outcome", "site", "func", "order", "seen_at", "done_at",
-                 "last_mono", "last_wall", "write", "dropped", "source", "seen_by")
+                 "write", "dropped", "source", "seen_by", "reported")
 
     def __init__(self, writer: Writer, path: str, seq: int, start_wall: float,
                  start_mono: float, site, func, order: int, seen_at: float,
@@ -97,10 +110,9 @@ class _Entry:
         self.order = order
         self.seen_at = seen_at
         self.done_at = None
-        self.last_mono = start_mono
-        self.last_wall = start_wall
         self.write = None
         self.dropped = False
+        self.reported = False           # named in a collision already (while in flight)
 
     @property
     def key(self) -> tuple:
@@ -123,6 +135,12 @@ class _Entry:
                            site=self.site, func=self.func, source=self.source)
         return self.write
 
+    def in_flight_write(self) -> Write:
+        """The write as known so far (end, bytes and outcome None), for an early report."""
+        return Write(writer=self.writer, path=self.path, seq=self.seq,
+                     start_wall=self.start_wall, start_mono=self.start_mono, site=self.site,
+                     func=self.func, source=self.source)
+
 
 _MAX_CACHED_WRITERS = 65536
 
@@ -140,7 +158,8 @@ def _sweep_key(entry: _Entry) -> tuple:
 class _Group:
     """A maximal set of transitively overlapping writes on one path."""
 
-    __slots__ = ("entries", "start", "stop", "writers", "in_flight", "done_at")
+    __slots__ = ("entries", "start", "stop", "writers", "in_flight", "done_at", "news",
+                 "news_open", "news_done")
 
     def __init__(self, entry: _Entry):
         self.entries = [entry]
@@ -149,6 +168,12 @@ class _Group:
         self.writers = {entry.writer.key}
         self.in_flight = entry.end_mono is None
         self.done_at = entry.done_at if entry.done_at is not None else -_INF
+        # Writes not yet named in a collision: whether there are any, the latest arrival of
+        # one still in flight, the earliest end of one finished (see Detector._regroup).
+        self.news = False
+        self.news_open = -_INF
+        self.news_done = _INF
+        self._note_news(entry)
 
     def add(self, entry: _Entry) -> None:
         self.entries.append(entry)
@@ -158,6 +183,25 @@ class _Group:
             self.in_flight = True
         else:
             self.done_at = max(self.done_at, entry.done_at)
+        self._note_news(entry)
+
+    def _note_news(self, entry: _Entry) -> None:
+        if entry.reported:
+            return
+        self.news = True
+        if entry.done_at is None:
+            self.news_open = max(self.news_open, entry.seen_at)
+        else:
+            self.news_done = min(self.news_done, entry.done_at)
+
+    def held_until(self, settle: float, hold: float) -> float:
+        """When a group with writes in flight is reported anyway (hold = settle + max_hold):
+        once its finished writes have settled and each new write in flight had `hold` to
+        end, and in any case `hold` after its earliest unreported end, so writes that keep
+        starting cannot postpone it forever. +inf when it has nothing new to report."""
+        if not self.news:
+            return _INF
+        return min(max(self.done_at + settle, self.news_open + hold), self.news_done + hold)
 
     @property
     def concurrent(self) -> bool:
@@ -215,13 +259,26 @@ class _Chain:
 
 
 class _PathState:
-    __slots__ = ("path", "entries", "barriers", "due")
+    __slots__ = ("path", "entries", "barriers", "due", "open")
 
     def __init__(self, path: str):
         self.path = path
         self.entries: list[_Entry] = []     # sorted by (start_mono, order)
         self.barriers: list[_Barrier] = []
         self.due = None                     # the earliest due time pushed on the heap
+        self.open = 0                       # entries still in flight
+
+
+class _Proc:
+    """A process with writes in flight: their keys, and the latest time it was heard from
+    (the "last time known" its writes end at if they are closed as lost)."""
+
+    __slots__ = ("keys", "last_mono", "last_wall")
+
+    def __init__(self):
+        self.keys: set = set()
+        self.last_mono = -_INF
+        self.last_wall = None
 
 
 def collision_id(path: str, first_start_wall: float) -> str:
@@ -236,9 +293,12 @@ class Detector:
     def __init__(self, window: float = 60.0, settle: float = 1.0, stale_after: float = 3600.0,
                  max_paths: int = 10000, clock: Callable[[], float] = time.monotonic,
                  wall_clock: Callable[[], float] = time.time,
-                 pid_alive: Callable[[str, int], bool] | None = None):
-        if window < 0 or settle < 0 or stale_after <= 0 or max_paths < 1:
-            raise ValueError("window and settle must be >= 0, stale_after > 0, max_paths >= 1")
+                 pid_alive: Callable[[str, int], bool] | None = None,
+                 max_hold: float = DEFAULT_MAX_HOLD):
+        if window < 0 or settle < 0 or stale_after <= 0 or max_paths < 1 or max_hold < 0:
+            raise ValueError("window, settle and max_hold must be >= 0, stale_after > 0, "
+                             "max_paths >= 1")
+        self._max_hold = float(max_hold)
         self._window = float(window)
         self._settle = float(settle)
         # How long a reported collision still breaks redundant chains.
@@ -250,7 +310,8 @@ class Detector:
         self._pid_alive = pid_alive
         self._paths: OrderedDict[str, _PathState] = OrderedDict()   # least recent first
         self._open: dict[tuple, _Entry] = {}
-        self._open_by_proc: dict[tuple, set] = {}
+        self._open_by_proc: dict[tuple, _Proc] = {}
+        self._refused = {reason: 0 for reason in REFUSE_REASONS}
         self._writers: dict[tuple, Writer] = {}
         self._active: dict[str, int] = {}
         self._lost_keys: OrderedDict[tuple, None] = OrderedDict()
@@ -271,6 +332,16 @@ class Detector:
     def evicted_paths_total(self) -> int:
         """Paths dropped (after finalizing what they held) to stay within max_paths."""
         return self._evicted
+
+    @property
+    def open_writes(self) -> int:
+        """Writes started and not yet ended (bounded by MAX_OPEN_TOTAL)."""
+        return len(self._open)
+
+    @property
+    def refused_starts(self) -> dict:
+        """Starts refused at an open-write cap, by reason (REFUSE_REASONS)."""
+        return dict(self._refused)
 
     def active_writes(self) -> dict:
         """In-flight writes per job label ("" for an unknown job)."""
@@ -348,18 +419,18 @@ class Detector:
     def _note_process_time(self, proc: tuple, event: dict) -> None:
         # Any event of a process tells us it was alive then: the "last time known" for its
         # other in-flight writes if they are ever closed as lost.
-        keys = self._open_by_proc.get(proc)
-        if not keys:
-            return
-        mono, wall = event["mono"], event["wall"]
-        for key in keys:
-            entry = self._open[key]
-            if mono > entry.last_mono:
-                entry.last_mono, entry.last_wall = mono, wall
+        # O(1): one record per process, not one update per open write.
+        record = self._open_by_proc.get(proc)
+        if record is not None and event["mono"] > record.last_mono:
+            record.last_mono, record.last_wall = event["mono"], event["wall"]
 
     def _start(self, key: tuple, event: dict, now: float, out: list) -> None:
         if key in self._open or key in self._lost_keys:
             return   # a duplicate start, or one whose write was already closed as lost
+        reason = self._over_open_cap(key[:2], event["path"])
+        if reason is not None:
+            self._refused[reason] += 1
+            return
         state = self._state_for(event["path"], now, out)
         entry = _Entry(self._writer(event), event["path"], event["seq"], event["wall"],
                        event["mono"], event.get("site"), event.get("func"), next(self._order),
@@ -368,11 +439,28 @@ class Detector:
         if len(state.entries) > MAX_PATH_WRITES:
             self._update(state, now, out)
         self._open[key] = entry
-        self._open_by_proc.setdefault(key[:2], set()).add(key)
+        record = self._open_by_proc.get(key[:2])
+        if record is None:
+            record = self._open_by_proc[key[:2]] = _Proc()
+        record.keys.add(key)
+        state.open += 1
         label = entry.writer.job_label
         self._active[label] = self._active.get(label, 0) + 1
         # No regrouping here: a start only adds an in-flight write, which delays finality;
-        # the next end (or the path's due time) recomputes the path.
+        # the next end recomputes the path, or at the latest the time this write may hold
+        # back a collision it is part of (max_hold).
+        self._schedule(state, entry.seen_at + self._settle + self._max_hold)
+
+    def _over_open_cap(self, proc: tuple, path: str) -> str | None:
+        record = self._open_by_proc.get(proc)
+        if record is not None and len(record.keys) >= MAX_OPEN_PER_WRITER:
+            return "writer_open_limit"
+        state = self._paths.get(path)
+        if state is not None and state.open >= MAX_OPEN_PER_PATH:
+            return "path_open_limit"
+        if len(self._open) >= MAX_OPEN_TOTAL:
+            return "open_limit"
+        return None
 
     def _end(self, key: tuple, event: dict, now: float, out: list) -> None:
         if key in self._lost_keys:
@@ -405,10 +493,13 @@ class Detector:
     def _forget_open(self, entry: _Entry) -> None:
         key = entry.key
         del self._open[key]
+        state = self._paths.get(entry.path)     # None while an evicted path is finalized
+        if state is not None:
+            state.open -= 1
         proc = key[:2]
-        keys = self._open_by_proc[proc]
-        keys.discard(key)
-        if not keys:
+        record = self._open_by_proc[proc]
+        record.keys.discard(key)
+        if not record.keys:
             del self._open_by_proc[proc]
             self._suspects.discard(proc)
         label = entry.writer.job_label
@@ -419,11 +510,16 @@ class Detector:
             del self._active[label]
 
     def _close_lost(self, entry: _Entry, now: float) -> Write:
+        record = self._open_by_proc[entry.key[:2]]
+        if record.last_mono > entry.start_mono:
+            end_mono, end_wall = record.last_mono, record.last_wall
+        else:
+            end_mono, end_wall = entry.start_mono, entry.start_wall
         self._forget_open(entry)
         self._lost_keys[entry.key] = None
         if len(self._lost_keys) > _LOST_KEYS_CAP:
             self._lost_keys.popitem(last=False)
-        return entry.finish(entry.last_wall, entry.last_mono, None, OUTCOME_LOST, now)
+        return entry.finish(end_wall, end_mono, None, OUTCOME_LOST, now)
 
     def _scan_in_flight(self, now: float, out: list, dirty: dict) -> None:
         suspects = set()
@@ -438,7 +534,8 @@ class Detector:
                     # Dead on two scans in a row: its end event is not merely still queued.
                     dead = proc in self._suspects
                     suspects.add(proc)
-            for key in list(self._open_by_proc.get(proc, ())):
+            record = self._open_by_proc.get(proc)
+            for key in list(record.keys if record is not None else ()):
                 entry = self._open[key]
                 if dead or now - entry.seen_at >= self._stale_after:
                     out.append(self._close_lost(entry, now))
@@ -488,6 +585,7 @@ class Detector:
         force=True reports every pending group and chain regardless of time.
         """
         settle, window, linger = self._settle, self._window, self._linger
+        hold = settle + self._max_hold
         due = _INF
         groups = group_writes(state.entries)
         barriers = [] if force else state.barriers
@@ -516,9 +614,27 @@ class Detector:
                 runs = group.runs
                 break_chains(runs, provisional=group.in_flight)
                 if group.in_flight:
+                    # A write in flight holds the group back for at most `max_hold` after
+                    # `settle`: then what is known is reported, naming the open writes as in
+                    # flight, so a live but silent writer cannot hide a collision.
+                    held_until = group.held_until(settle, hold)
+                    if now >= held_until:
+                        out.append(self._collision(KIND_CONCURRENT, state.path,
+                                                   group.entries))
+                        for entry in group.entries:
+                            entry.reported = True
+                        self._drop(e for e in group.entries if e.end_mono is not None)
+                        if group.done_at > -_INF and now < group.done_at + linger:
+                            new_barriers.append(_Barrier(group.start, runs,
+                                                         group.done_at + linger))
+                            due = min(due, group.done_at + linger)
+                    else:
+                        due = min(due, held_until)
                     continue
                 if force or now >= group.done_at + settle:
-                    out.append(self._collision(KIND_CONCURRENT, state.path, group.entries))
+                    if group.news:      # else all of it was reported while in flight
+                        out.append(self._collision(KIND_CONCURRENT, state.path,
+                                                   group.entries))
                     self._drop(group.entries)
                     expire_at = group.done_at + linger
                     if not force and now < expire_at:
@@ -595,7 +711,8 @@ class Detector:
             entry.dropped = True
 
     def _collision(self, kind: str, path: str, entries: list) -> Collision:
-        writes = tuple(e.write for e in entries)    # entries come in start order
+        # Entries come in start order; one still in flight is named as known so far.
+        writes = tuple(e.write or e.in_flight_write() for e in entries)
         sources = tuple(sorted(set().union(*(e.seen_by for e in entries))))
         return Collision(path=path, kind=kind, writes=writes, scope=SCOPE_NODE,
                          sources=sources, detected_wall=self._wall_clock(),

@@ -177,10 +177,13 @@ class Collision:
 
     @property
     def overlap_seconds(self) -> float:
-        """How long two or more of the writes were in flight at the same time."""
+        """How long two or more of the writes were in flight at the same time (a write still
+        in flight when the collision was reported counts until the latest time it names)."""
         points = []
+        latest = max(max(w.start_mono, w.end_mono if w.end_mono is not None else w.start_mono)
+                     for w in self.writes)
         for w in self.writes:
-            end = w.end_mono if w.end_mono is not None else w.start_mono
+            end = w.end_mono if w.end_mono is not None else latest
             points.append((w.start_mono, 1))
             points.append((end, -1))
         points.sort(key=lambda p: (p[0], p[1]))
