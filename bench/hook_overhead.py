@@ -68,14 +68,20 @@ def child(instrumented: bool, saves: int, nbytes: int, outdir: str) -> dict:
     for _ in range(max(2, saves // 10)):    # warm-up: caches, connection, sender thread
         save(state, path)
     drain()
-    wall0, cpu0 = time.perf_counter(), time.process_time()
+    sender_clock = None
+    if instrumented:   # the sender thread's own CPU time, for the breakdown
+        sender_clock = time.pthread_getcpuclockid(emitter_mod.get_emitter()._thread.ident)
+        sender0 = time.clock_gettime(sender_clock)
+    wall0, cpu0, main0 = time.perf_counter(), time.process_time(), time.thread_time()
     for _ in range(saves):
         save(state, path)
     drain()
-    wall1, cpu1 = time.perf_counter(), time.process_time()
+    wall1, cpu1, main1 = time.perf_counter(), time.process_time(), time.thread_time()
     os.unlink(path)
-    out = {"wall": (wall1 - wall0) / saves, "cpu": (cpu1 - cpu0) / saves}
+    out = {"wall": (wall1 - wall0) / saves, "cpu": (cpu1 - cpu0) / saves,
+           "main_cpu": (main1 - main0) / saves, "sender_cpu": 0.0}
     if instrumented:
+        out["sender_cpu"] = (time.clock_gettime(sender_clock) - sender0) / saves
         out.update(emitter_mod.get_emitter().stats())
     return out
 
@@ -105,6 +111,8 @@ def measure_process(saves: int, nbytes: int, pairs: int, outdir: str, socket: st
         "plain_cpu": med(r["cpu"] for r in plain), "instr_cpu": med(r["cpu"] for r in instr),
         "added_wall": med(b["wall"] - a["wall"] for a, b in zip(plain, instr)),
         "added_cpu": med(b["cpu"] - a["cpu"] for a, b in zip(plain, instr)),
+        "sender_cpu": med(r["sender_cpu"] for r in instr),
+        "added_main_cpu": med(b["main_cpu"] - a["main_cpu"] for a, b in zip(plain, instr)),
         "dropped": sum(r.get("dropped", 0) for r in instr),
         "sent": sum(r.get("sent", 0) for r in instr),
     }
@@ -168,13 +176,19 @@ def main(argv=None) -> int:
         print(f"\nWhole process (fresh child per sample, {args.pairs} plain/instrumented pairs, "
               "wall and process CPU per save read after the sender drained):")
         print(f"{'size':>7} {'saves':>6} {'plain wall':>11} {'hooked wall':>12} {'added wall':>11} "
-              f"{'plain cpu':>10} {'hooked cpu':>11} {'added cpu':>10}")
+              f"{'plain cpu':>10} {'hooked cpu':>11} {'added cpu':>10} {'saving thread':>14} "
+              f"{'sender thread':>14}")
         for label, saves, r in process_rows:
             unit, scale = ("us", 1e6) if r["plain_wall"] < 0.01 else ("ms", 1e3)
             cells = [r[k] * scale for k in ("plain_wall", "instr_wall", "added_wall",
-                                            "plain_cpu", "instr_cpu", "added_cpu")]
+                                            "plain_cpu", "instr_cpu", "added_cpu",
+                                            "added_main_cpu", "sender_cpu")]
             print(f"{label:>7} {saves:>6} " + " ".join(
-                f"{v:>{w - 3}.1f} {unit}" for v, w in zip(cells, (11, 12, 11, 10, 11, 10))))
+                f"{v:>{w - 3}.{1 if unit == 'us' else 2}f} {unit}"
+                for v, w in zip(cells, (11, 12, 11, 10, 11, 10, 14, 14))))
+        print("(added: median of per-pair differences. Of the added cpu, saving thread: the "
+              "thread calling torch.save (the save path, GIL hand-overs), median of differences; "
+              "sender thread: the sender's own CPU time per save)")
         sent = sum(r["sent"] for _, _, r in process_rows)
         dropped = sum(r["dropped"] for _, _, r in process_rows)
         print(f"children: events sent {sent}, dropped {dropped}; "
