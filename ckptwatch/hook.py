@@ -297,15 +297,17 @@ def _bind_emit():
 _ident_members = (None, "")     # (identity dict, its members as JSON text): one slot, since
                                 # identity() returns the same dict until the identity changes
 _site_members: dict = {}        # (code, line) -> '"site":...,"func":...'
-_last_common = (None, "")       # (pending, the members a start and its end share)
+_last_common = (None, "", "", "")   # (pending, members a start and its end share, and the
+                                    # start's wall and mono as JSON numbers)
 _json_str = events.json_str
 
 
-def _common_members(pending) -> str:
+def _common_members(pending) -> tuple:
+    """(members a start and its end share, the start's wall, its mono), as JSON text."""
     global _ident_members, _last_common
     last = _last_common
     if last[0] is pending:
-        return last[1]
+        return last[1:]
     ident, seq, path, code, line, wall, mono = pending
     cached = _ident_members
     if cached[0] is ident:
@@ -322,14 +324,14 @@ def _common_members(pending) -> str:
             _site_members.clear()
         _site_members[(code, line)] = site_text
     common = '%s,"seq":%d,"path":%s,%s' % (ident_text, seq, _json_str(path), site_text)
-    _last_common = (pending, common)
-    return common
+    # float.__repr__ (%r) is how json writes a float; time.time() and monotonic() are finite.
+    _last_common = last = (pending, common, repr(wall), repr(mono))
+    return last[1:]
 
 
 def _start_frame(pending) -> bytes:
-    # float.__repr__ (%r) is how json writes a float; time.time() and monotonic() are finite.
-    return events.frame(('{"v":%d,"type":"start",%s,"wall":%r,"mono":%r}' % (
-        SCHEMA_VERSION, _common_members(pending), pending[5], pending[6])).encode("ascii"))
+    return events.frame(('{"v":%d,"type":"start",%s,"wall":%s,"mono":%s}' % (
+        (SCHEMA_VERSION,) + _common_members(pending))).encode("ascii"))
 
 
 _STAT_LATER = object()   # size placeholder: the sender thread stats the path (see _finish)
@@ -341,10 +343,11 @@ def _end_frame(pending, wall, mono, size, outcome) -> bytes:
             size = os.stat(pending[2]).st_size
         except OSError:
             size = None
+    common, start_wall, start_mono = _common_members(pending)
     return events.frame((
-        '{"v":%d,"type":"end",%s,"wall":%r,"mono":%r,"start_wall":%r,"start_mono":%r,'
+        '{"v":%d,"type":"end",%s,"wall":%r,"mono":%r,"start_wall":%s,"start_mono":%s,'
         '"bytes":%s,"outcome":%s}' % (
-            SCHEMA_VERSION, _common_members(pending), wall, mono, pending[5], pending[6],
+            SCHEMA_VERSION, common, wall, mono, start_wall, start_mono,
             "null" if size is None else "%d" % size, _json_str(outcome))).encode("ascii"))
 
 
