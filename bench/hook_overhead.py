@@ -211,7 +211,8 @@ def main(argv=None) -> int:
 def save_path_bench(args, outdir: str, agent: Agent):
     import torch
     plain = torch.save
-    sizes = [("4 KiB", 4 * 1024, args.rounds_small), ("64 MiB", 64 * 1024 * 1024, args.rounds_large)]
+    sizes = [("4 KiB", 4 * 1024, args.rounds_small),
+             ("64 MiB", 64 * 1024 * 1024, args.rounds_large)]
     rows = []
     os.environ["CKPTWATCH_SOCKET"] = agent.socket
     import ckptwatch
