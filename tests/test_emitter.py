@@ -332,7 +332,10 @@ def test_sender_keeps_batching_after_a_flush(sock, make_emitter):
             reader = events.FrameReader()
             assert len(reader.feed(conn.recv(65536))) == 1
             assert emitter.flush(5.0)          # connected: nothing left to send
-            wait_for(lambda: emitter._idle, message="sender idle")
+            # flush() may return before the sender has even woken up for it (nothing was
+            # queued); wait until it has, and is idle again.
+            wait_for(lambda: emitter._idle and emitter._drained_gen == emitter._flush_gen,
+                     message="sender idle after the flush")
             emitted = time.monotonic()
             emitter.emit(start_event(2))
             payloads = reader.feed(conn.recv(65536))
