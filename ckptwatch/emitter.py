@@ -40,12 +40,12 @@ from ckptwatch import paths
 from ckptwatch.identity import identity
 
 FLUSH_TIMEOUT_ENV = "CKPTWATCH_FLUSH_TIMEOUT"
-BATCH_MAX = 256               # frames per sendall: one syscall for a burst, bounded memory
+BATCH_MAX = 1024              # frames per sendall: one syscall for a burst, bounded memory
 SEND_TIMEOUT = 2.0            # an agent that stops reading must not wedge the sender forever
 BACKOFF_MIN = 0.05
 BACKOFF_MAX = 1.0
 IDLE_WAIT = 5.0               # periodic wake-up; a lost wake-up costs at most this long
-LINGER = 0.02                 # after a wake-up, collect events this long before sending
+LINGER = 0.02                 # collect events this long before sending (end-to-end latency)
 _PEERCRED = struct.Struct("3i")   # struct ucred: pid, uid, gid
 
 _live: "weakref.WeakSet[Emitter]" = weakref.WeakSet()
@@ -100,6 +100,7 @@ class Emitter:
         self._closed = False
         self._flush_gen = 0                # bumped by flush(): connect now, once, ignoring backoff
         self._forced_gen = 0               # the last flush generation a connect was forced for
+        self._drained_gen = 0              # the last flush generation the queue was empty for
         self._unreachable = False          # the last connect attempt failed
         self._next_connect = 0.0
         self._backoff = BACKOFF_MIN
@@ -114,7 +115,8 @@ class Emitter:
         """Queue one event for sending. Never blocks on I/O, never raises.
 
         `event` is a dict, or a tuple (builder, *args) for which the sender thread calls
-        builder(*args) to get the dict — this keeps dict building off the caller's hot path.
+        builder(*args) to get the dict or the finished frame (events.frame) — this keeps
+        building and encoding off the caller's hot path.
         """
         try:
             if self._thread is None:
@@ -208,6 +210,7 @@ class Emitter:
 
     def _step(self) -> None:
         if not self._has_work():
+            self._drained_gen = self._flush_gen    # every flush() asked so far is served
             self._idle = True
             self._wake.clear()
             # Re-check after clear: an emit() between the check above and clear() saw
@@ -215,12 +218,7 @@ class Emitter:
             if not self._has_work() and not self._stopping:
                 self._wake.wait(IDLE_WAIT)
             self._idle = False
-            # Linger so that one wake-up and one sendall serve many saves: the sender's work
-            # runs while the saving thread releases the GIL in file I/O, and done once per
-            # save it would lengthen every save. flush() and shutdown() cut the linger short.
-            self._wake.clear()
-            if not self._stopping and self._flush_gen == self._forced_gen:
-                self._wake.wait(LINGER)
+            self._linger()
             return
         if self._sock is None and not self._connect():
             self._wait_backoff()
@@ -240,6 +238,18 @@ class Emitter:
         self._dropped_reported += self._batch_dropped
         self._batch = []
         self._batch_dropped = 0
+        if len(self._queue) < BATCH_MAX:
+            # What came in during the send is a few frames: gather more before the next.
+            self._linger()
+
+    def _linger(self) -> None:
+        # Wait LINGER before sending, so that one wake-up and one sendall serve many saves:
+        # each wake-up takes the GIL from the saving thread, and the sender's work done once
+        # per save costs the training process several times what the save path does.
+        # flush() and shutdown() cut the linger short, and it is skipped while a flush waits.
+        self._wake.clear()
+        if not self._stopping and self._flush_gen == self._drained_gen:
+            self._wake.wait(LINGER)
 
     def _fill_batch(self) -> None:
         frames = []
@@ -255,7 +265,7 @@ class Emitter:
             try:
                 if type(event) is tuple:
                     event = event[0](*event[1:])
-                frames.append(events.encode(event))
+                frames.append(event if type(event) is bytes else events.encode(event))
             except Exception:
                 # Too large for one frame, not JSON-serialisable, or a failing builder:
                 # dropped and counted.

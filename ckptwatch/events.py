@@ -78,12 +78,31 @@ class EventError(ValueError):
         self.payloads: list[bytes] = []   # FrameReader: complete frames before the bad one
 
 
+_ENCODER = json.JSONEncoder(separators=(",", ":"), allow_nan=False)
+
+
 def encode(event: dict) -> bytes:
     """One frame for one event. Raises ValueError if the event is too large to send."""
-    payload = json.dumps(event, separators=(",", ":"), allow_nan=False).encode("utf-8")
+    return frame(_ENCODER.encode(event).encode("utf-8"))
+
+
+def frame(payload: bytes) -> bytes:
+    """The frame for one event's JSON payload. Raises ValueError if it is too large to send."""
     if len(payload) > MAX_FRAME_BYTES:
         raise ValueError(f"event of {len(payload)} bytes exceeds {MAX_FRAME_BYTES}")
     return HEADER.pack(len(payload)) + payload
+
+
+# For senders that splice an event's JSON text from pre-encoded parts (the hook's sender thread
+# does, for every save): json_str is the very escaping encode() applies to strings (ASCII
+# output, so the text encodes to the same bytes), json_members the members of a flat object
+# without its braces, ready to splice between two others.
+json_str = json.encoder.encode_basestring_ascii
+
+
+def json_members(fields: dict) -> str:
+    """'"a":1,"b":null' for {"a": 1, "b": None}: the object's text without its braces."""
+    return _ENCODER.encode(fields)[1:-1]
 
 
 # Allowed value types per field. Checked with `type(value) in allowed`, which is exact (a bool

@@ -55,6 +55,7 @@ import time
 import weakref
 
 from ckptwatch import emitter as _emitter_mod
+from ckptwatch import events
 from ckptwatch import paths
 from ckptwatch.events import SCHEMA_VERSION
 from ckptwatch.identity import identity
@@ -271,9 +272,16 @@ def _caller(frame):
     return None
 
 
-# The save path hands the emitter a tuple (builder, args...) instead of a finished dict: the
-# sender thread calls the builder, so dict building and string formatting stay off the save
-# path. `pending` = (identity, seq, path, code, line, wall, mono).
+# The save path hands the emitter a tuple (builder, args...) instead of a finished event: the
+# sender thread calls the builder, so the event's encoding stays off the save path.
+# `pending` = (identity, seq, path, code, line, wall, mono).
+#
+# The builders write the frame's JSON text themselves from pre-encoded parts, because building
+# a dict of 20 fields and json-encoding it for every start and end cost the whole process more
+# than the save path does (issue 8, item 10): the identity's members are encoded once per
+# identity, a call site's once per (code, line), and only seq, path, times, size and outcome
+# are formatted per event. The text is what events.encode() makes of the same event (the
+# members' order aside); tests/test_hook.py decodes it against the dict.
 
 _emit = None
 
@@ -285,37 +293,61 @@ def _bind_emit():
     return _emit
 
 
-def _start_event(pending) -> dict:
+_ident_members = (None, "")     # (identity dict, its members as JSON text): one slot, since
+                                # identity() returns the same dict until the identity changes
+_site_members: dict = {}        # (code, line) -> '"site":...,"func":...'
+_last_common = (None, "", "", "")   # (pending, members a start and its end share, and the
+                                    # start's wall and mono as JSON numbers)
+_json_str = events.json_str
+
+
+def _common_members(pending) -> tuple:
+    """(members a start and its end share, the start's wall, its mono), as JSON text."""
+    global _ident_members, _last_common
+    last = _last_common
+    if last[0] is pending:
+        return last[1:]
     ident, seq, path, code, line, wall, mono = pending
-    event = {"v": SCHEMA_VERSION, "type": "start"}
-    event.update(ident)
-    event["seq"] = seq
-    event["path"] = path
-    event["site"] = f"{code.co_filename}:{line}" if code is not None else None
-    event["func"] = code.co_name if code is not None else None
-    event["wall"] = wall
-    event["mono"] = mono
-    return event
+    cached = _ident_members
+    if cached[0] is ident:
+        ident_text = cached[1]
+    else:
+        ident_text = events.json_members(ident)
+        _ident_members = (ident, ident_text)
+    site_text = _site_members.get((code, line))
+    if site_text is None:
+        site_text = events.json_members({
+            "site": f"{code.co_filename}:{line}" if code is not None else None,
+            "func": code.co_name if code is not None else None})
+        if len(_site_members) >= 4096:
+            _site_members.clear()
+        _site_members[(code, line)] = site_text
+    common = '%s,"seq":%d,"path":%s,%s' % (ident_text, seq, _json_str(path), site_text)
+    # float.__repr__ (%r) is how json writes a float; time.time() and monotonic() are finite.
+    _last_common = last = (pending, common, repr(wall), repr(mono))
+    return last[1:]
+
+
+def _start_frame(pending) -> bytes:
+    return events.frame(('{"v":%d,"type":"start",%s,"wall":%s,"mono":%s}' % (
+        (SCHEMA_VERSION,) + _common_members(pending))).encode("ascii"))
 
 
 _STAT_LATER = object()   # size placeholder: the sender thread stats the path (see _finish)
 
 
-def _end_event(pending, wall, mono, size, outcome) -> dict:
+def _end_frame(pending, wall, mono, size, outcome) -> bytes:
     if size is _STAT_LATER:
         try:
             size = os.stat(pending[2]).st_size
         except OSError:
             size = None
-    event = _start_event(pending)
-    event["type"] = "end"
-    event["start_wall"] = event["wall"]
-    event["start_mono"] = event["mono"]
-    event["wall"] = wall
-    event["mono"] = mono
-    event["bytes"] = size
-    event["outcome"] = outcome
-    return event
+    common, start_wall, start_mono = _common_members(pending)
+    return events.frame((
+        '{"v":%d,"type":"end",%s,"wall":%r,"mono":%r,"start_wall":%s,"start_mono":%s,'
+        '"bytes":%s,"outcome":%s}' % (
+            SCHEMA_VERSION, common, wall, mono, start_wall, start_mono,
+            "null" if size is None else "%d" % size, _json_str(outcome))).encode("ascii"))
 
 
 def _begin(args, kwargs):
@@ -332,7 +364,7 @@ def _begin(args, kwargs):
     else:
         code, line = frame.f_code, frame.f_lineno
     pending = (identity(), next(_seq), path, code, line, time.time(), time.monotonic())
-    (_emit or _bind_emit())((_start_event, pending))
+    (_emit or _bind_emit())((_start_frame, pending))
     _counters["reported"] += 1
     return pending, fileobj
 
@@ -355,6 +387,6 @@ def _finish(started, outcome: str) -> None:
             if not isinstance(size, int):
                 size = None
         (_emit or _bind_emit())(
-            (_end_event, pending, time.time(), time.monotonic(), size, outcome))
+            (_end_frame, pending, time.time(), time.monotonic(), size, outcome))
     except Exception:
         _counters["errors"] += 1

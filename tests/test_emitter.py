@@ -313,3 +313,35 @@ def test_agent_that_stops_reading_never_blocks_the_caller(sock, make_emitter):
     finally:
         emitter.shutdown(0.1)
         server.close()
+
+
+def test_sender_keeps_batching_after_a_flush(sock, make_emitter):
+    # A flush sends at once; afterwards the sender goes back to gathering events for LINGER
+    # before each send, so one wake-up serves many saves. (It once stayed in "send at once"
+    # mode for good after the first flush, waking up for every few events.)
+    import socket as socketlib
+    from ckptwatch import emitter as emitter_mod
+    server = socketlib.socket(socketlib.AF_UNIX, socketlib.SOCK_STREAM)
+    server.bind(sock)
+    server.listen(1)
+    try:
+        emitter = make_emitter(sock)
+        emitter.emit(start_event(1))
+        conn, _ = server.accept()
+        with conn:
+            reader = events.FrameReader()
+            assert len(reader.feed(conn.recv(65536))) == 1
+            assert emitter.flush(5.0)          # connected: nothing left to send
+            # flush() may return before the sender has even woken up for it (nothing was
+            # queued); wait until it has, and is idle again.
+            wait_for(lambda: emitter._idle and emitter._drained_gen == emitter._flush_gen,
+                     message="sender idle after the flush")
+            emitted = time.monotonic()
+            emitter.emit(start_event(2))
+            payloads = reader.feed(conn.recv(65536))
+            arrived = time.monotonic()
+            assert [events.decode(p)["seq"] for p in payloads] == [2]
+            # A lower bound only: a loaded machine delays, it never hastens.
+            assert arrived - emitted >= emitter_mod.LINGER / 2
+    finally:
+        server.close()

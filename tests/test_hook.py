@@ -438,3 +438,30 @@ def test_threads_saving_concurrently_are_each_reported(rx, sock, workdir):
     starts = {e["seq"]: e["path"] for e in rx.of_type("start")}
     assert all(starts[e["seq"]] == e["path"] for e in ends)
     assert all(e["func"] == "work" for e in ends)
+
+
+def test_event_frames_decode_to_the_documented_fields():
+    # The sender thread splices each frame's JSON from pre-encoded parts (identity, call site)
+    # instead of json-encoding a dict: the frame must decode to exactly the event the wire
+    # contract describes, whatever characters the identity and path hold.
+    from ckptwatch import events, hook
+    ident = {"node": 'n\\"ode\u00e9', "pid": 4242, "rank": 3, "local_rank": None,
+             "world_size": 8, "local_world_size": None, "node_rank": 0, "restart": 1,
+             "job": 'job "x"\n\u2603', "master": None}
+    code = test_event_frames_decode_to_the_documented_fields.__code__
+    cases = [("/ckpt/\u00fcber \"q\"\\x\n.pt", code, 17), ("/ckpt/bad-\udcff.pt", None, None)]
+    for seq, (path, code_, line) in enumerate(cases, 1):
+        pending = (ident, seq, path, code_, line, 1700000000.123456, 12345.000001)
+        start = events.decode(hook._start_frame(pending)[4:])
+        site = f"{code_.co_filename}:{line}" if code_ else None
+        func = code_.co_name if code_ else None
+        expected = dict(ident, v=1, type="start", seq=seq, path=path, site=site, func=func,
+                        wall=1700000000.123456, mono=12345.000001)
+        assert start == expected
+        for size, outcome in ((4096, "ok"), (None, "OSError")):
+            frame = hook._end_frame(pending, 1700000001.5, 12346.25, size, outcome)
+            end = events.decode(frame[4:])
+            assert end == dict(expected, type="end", wall=1700000001.5, mono=12346.25,
+                               start_wall=1700000000.123456, start_mono=12345.000001,
+                               bytes=size, outcome=outcome)
+            assert len(frame) - 4 == events.HEADER.unpack(frame[:4])[0]
