@@ -82,9 +82,8 @@ def _agent_verdict(journal: str, path: str) -> str | None:
 
 
 def run(nproc: int = 4, keep: bool = False) -> int:
-    try:
-        import torch  # noqa: F401
-    except ImportError:
+    import importlib.util
+    if importlib.util.find_spec("torch") is None:
         print("ckptwatch demo needs torch in this Python: pip install torch", file=sys.stderr)
         return 2
     workdir = tempfile.mkdtemp(prefix="ckptwatch-demo-")

@@ -312,7 +312,6 @@ def _path_section(path: str, writes: list, collisions: list, verdicts: list,
                    f'</span>')
     out.append("</p>")
     for ep in chosen:
-        kinds = sorted({c.kind for c in ep.collisions})
         head = f"{_when(ep.start, with_date=True)} to {_when(ep.end)} ({_seconds(ep.end - ep.start)})"
         tag = "".join(f' <span class="tag {_text(c.kind, 20)}">{_text(c.kind, 20)} collision'
                       f'</span> {_text(_collision_how(c))}' for c in ep.collisions[:3])
