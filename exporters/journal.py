@@ -22,12 +22,21 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
+from monitor.detect.model import FINDING_VERIFICATION, Collision, Finding, Write
+
+try:
+    import orjson
+except ImportError:         # an agent dependency (pyproject.toml); without it: json, slower
+    orjson = None
+
 # One encoder for every line: json.dumps with options builds a new encoder per call, and the
 # journal writes one line per finished write. default=str: one odd value (a path-like, a numpy
 # scalar) must not lose the line.
 _ENCODER = json.JSONEncoder(separators=(",", ":"), default=str)
-
-from monitor.detect.model import FINDING_VERIFICATION, Collision, Finding, Write
+# Types orjson would encode its own way (a dataclass as an object) raise instead: json's.
+_ORJSON_OPTIONS = 0 if orjson is None else (
+    orjson.OPT_APPEND_NEWLINE | orjson.OPT_PASSTHROUGH_DATACLASS
+    | orjson.OPT_PASSTHROUGH_DATETIME | orjson.OPT_PASSTHROUGH_SUBCLASS)
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +79,27 @@ def to_record(item) -> dict:
     if isinstance(item, dict) and isinstance(item.get("type"), str):
         return dict(item)
     raise TypeError(f"cannot journal {type(item).__name__}")
+
+
+def encode_line(record: dict, plain: bool = False) -> bytes:
+    """One journal line. `plain`: the record holds only str, int, float, bool and None values
+    (a write record), which orjson encodes ~2x faster than json when it is installed.
+
+    orjson writes the same JSON values as json, spelled differently in places (5e-7 for
+    5e-07, raw UTF-8 for \\u escapes). It writes NaN and Infinity as null and refuses
+    integers beyond 64 bits and lone surrogates (a path from the watcher); such records take
+    the json encoder, so every line reads back as json would have written it. A NaN shows up
+    as a "null" no None explains: counting them is cheaper than testing every float.
+    """
+    if plain and orjson is not None:
+        try:
+            line = orjson.dumps(record, option=_ORJSON_OPTIONS)
+        except TypeError:       # orjson.JSONEncodeError
+            pass
+        else:
+            if line.count(b"null") == list(record.values()).count(None):
+                return line
+    return _ENCODER.encode(record).encode("utf-8") + b"\n"
 
 
 def _last_byte(path: str) -> bytes:
@@ -140,9 +170,14 @@ class Journal:
         "queued": a later failed flush counts it lost then. Raises TypeError only for an item
         that is not a Write, Collision or typed dict.
         """
-        record = to_record(item)
-        record["ts"] = self._wall_clock()
-        line = _ENCODER.encode(record).encode("utf-8") + b"\n"
+        if isinstance(item, Write):
+            record = write_record(item)
+            record["ts"] = self._wall_clock()
+            line = encode_line(record, plain=True)
+        else:
+            record = to_record(item)
+            record["ts"] = self._wall_clock()
+            line = encode_line(record)
         self._pending.append(line)
         self._pending_bytes += len(line)
         if self.buffered and self._pending_bytes < _BUFFER_BYTES:

@@ -1,0 +1,99 @@
+"""The agent's event decoder: ckptwatch/events.py's contract, at the agent's speed.
+
+ckptwatch/events.py is the wire contract and its decoder is the reference: stdlib only,
+because it is loaded into training processes. The agent parses with orjson when it is
+installed (an agent dependency, see pyproject.toml; without it decode_many() is the
+reference's own, slower); validation is always the reference's validate().
+
+The two JSON parsers must never disagree, including on the reason for a reject, so orjson
+only ever *accepts*, and only payloads on which it provably yields the reference's value:
+
+* Where the two parsers' JSON differs -- NaN and Infinity, numbers that overflow a double,
+  lone surrogate escapes (orjson refuses them), integers beyond 64 bits (orjson returns a
+  float), nesting near the parsers' different depth limits -- the payload goes to the
+  reference. The first three make orjson fail; the last two are recognised before parsing by
+  a run of 19 digits or a nested container, which a hook's events never contain (a float is
+  at most 17 digits; events are flat).
+* Whatever orjson's value fails validation is decoded again by the reference, so every
+  reject and its reason are the reference's own. Rejects are rare and bounded in size.
+
+Validation is the reference's validate(), memoised: for a start or end event its verdict
+depends only on the kind, the types of the fields the contract names (absent reads as None),
+and three values (v == 1, pid > 0, an absolute path). So one tuple of those types, looked up
+in the set of tuples the reference accepted, replaces a dozen checks per event; a tuple not
+seen yet goes to validate() itself. The sets are bounded (MAX_SHAPES) against a sender that
+invents type combinations; past the bound, validate() judges every new one.
+
+tests/test_codec.py holds the two to agreement on the golden fixtures and on generated
+events, valid and not.
+"""
+from __future__ import annotations
+
+from ckptwatch import events
+
+try:
+    import orjson
+except ImportError:             # documented fallback: the reference decoder, slower
+    orjson = None
+
+BACKEND = "orjson" if orjson is not None else "json"
+
+# Digits -> "9" and "[" -> "{": one C-speed pass finds a 19-digit run (an integer that may not
+# fit in 64 bits) and any container besides the outer object.
+_SUSPECT = bytes.maketrans(b"0123456789[", b"9999999999{")
+_LONG_NUMBER = b"9" * 19
+
+
+MAX_SHAPES = 512           # accepted type tuples memoised per kind; a hook needs one each
+# Every field the contract names for start/end events (ckptwatch/events.py), in one order.
+_FIELDS = ("v", "node", "pid", "seq", "path", "wall", "mono", "rank", "local_rank",
+           "world_size", "local_world_size", "node_rank", "job", "master", "restart", "site",
+           "func", "start_wall", "start_mono", "outcome", "bytes")
+_ACCEPTED: dict[str, set] = {"start": set(), "end": set()}
+
+
+def validate(event: object) -> dict:
+    """ckptwatch.events.validate(), memoised by the types of the contract's fields."""
+    if type(event) is dict:
+        get = event.get
+        kind = get("type")
+        accepted = _ACCEPTED.get(kind) if type(kind) is str else None
+        if accepted is not None:
+            shape = tuple(map(type, map(get, _FIELDS)))
+            if shape in accepted:
+                if get("v") == 1 and get("pid") > 0 and get("path")[:1] == "/":
+                    return event
+            else:
+                events.validate(event)      # raises the reference's reason
+                if len(accepted) < MAX_SHAPES:
+                    accepted.add(shape)
+                return event
+    return events.validate(event)
+
+
+def decode_many(payloads: list) -> list:
+    """A dict or an EventError per payload, in order, exactly as ckptwatch.events.decode()
+    returns or raises for each payload alone."""
+    if orjson is None:
+        return events.decode_many(payloads)
+    loads, error = orjson.loads, orjson.JSONDecodeError
+    out = []
+    append = out.append
+    for payload in payloads:
+        if len(payload) <= events.MAX_FRAME_BYTES:
+            plain = payload.translate(_SUSPECT)
+            if plain.count(b"{") == 1 and plain.find(_LONG_NUMBER) < 0:
+                try:
+                    append(validate(loads(payload)))
+                    continue
+                except (error, events.EventError):
+                    pass
+        append(_reference(payload))
+    return out
+
+
+def _reference(payload: bytes):
+    try:
+        return events.decode(payload)
+    except events.EventError as exc:
+        return exc
