@@ -18,11 +18,12 @@ only ever *accepts*, and only payloads on which it provably yields the reference
   reject and its reason are the reference's own. Rejects are rare and bounded in size.
 
 Validation is the reference's validate(), memoised: for a start or end event its verdict
-depends only on the kind, the types of the fields the contract names (absent reads as None),
-and three values (v == 1, pid > 0, an absolute path). So one tuple of those types, looked up
-in the set of tuples the reference accepted, replaces a dozen checks per event; a tuple not
-seen yet goes to validate() itself. The sets are bounded (MAX_SHAPES) against a sender that
-invents type combinations; past the bound, validate() judges every new one.
+depends only on the kind, which fields are present with which value types, and three values
+(v == 1, pid > 0, an absolute path). So the event's shape -- its keys in order and the types
+of its values, two tuples built in C -- looked up in the set of shapes the reference accepted
+replaces a dozen checks per event; a shape not seen yet goes to validate() itself. The sets
+are bounded in count and in key length (MAX_SHAPES, _MAX_SHAPE_KEYS): a sender can invent
+shapes without end, and past the bound validate() judges each new one.
 
 tests/test_codec.py holds the two to agreement on the golden fixtures and on generated
 events, valid and not.
@@ -44,28 +45,25 @@ _SUSPECT = bytes.maketrans(b"0123456789[", b"9999999999{")
 _LONG_NUMBER = b"9" * 19
 
 
-MAX_SHAPES = 512           # accepted type tuples memoised per kind; a hook needs one each
-# Every field the contract names for start/end events (ckptwatch/events.py), in one order.
-_FIELDS = ("v", "node", "pid", "seq", "path", "wall", "mono", "rank", "local_rank",
-           "world_size", "local_world_size", "node_rank", "job", "master", "restart", "site",
-           "func", "start_wall", "start_mono", "outcome", "bytes")
+MAX_SHAPES = 512           # accepted shapes memoised per kind; a hook needs one each
+_MAX_SHAPE_KEYS = 1024     # total length of a memoised shape's keys (v1 names ~200 bytes)
 _ACCEPTED: dict[str, set] = {"start": set(), "end": set()}
 
 
 def validate(event: object) -> dict:
-    """ckptwatch.events.validate(), memoised by the types of the contract's fields."""
+    """ckptwatch.events.validate(), memoised by the event's shape (see module doc)."""
     if type(event) is dict:
-        get = event.get
-        kind = get("type")
+        kind = event.get("type")
         accepted = _ACCEPTED.get(kind) if type(kind) is str else None
         if accepted is not None:
-            shape = tuple(map(type, map(get, _FIELDS)))
+            shape = (tuple(event), tuple(map(type, event.values())))
             if shape in accepted:
-                if get("v") == 1 and get("pid") > 0 and get("path")[:1] == "/":
+                # The shape has v, pid and path, as int, int and str: the reference accepted it.
+                if event["v"] == 1 and event["pid"] > 0 and event["path"][:1] == "/":
                     return event
             else:
                 events.validate(event)      # raises the reference's reason
-                if len(accepted) < MAX_SHAPES:
+                if len(accepted) < MAX_SHAPES and sum(map(len, shape[0])) <= _MAX_SHAPE_KEYS:
                     accepted.add(shape)
                 return event
     return events.validate(event)

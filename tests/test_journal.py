@@ -158,6 +158,7 @@ def test_write_record_keeps_the_journal_format():
     {}, {"start_wall": float("nan")}, {"end_wall": float("inf")}, {"bytes": 2 ** 70},
     {"path": "/ckpt/\udcff-undecodable.pt"}, {"path": "/ckpt/ünï路径.pt"},
     {"site": "null.py:1"}, {"end_mono": 1000.0000005}, {"start_wall": 1e-05},
+    {"end_mono": float("inf")}, {"start_mono": float("nan")}, {"end_wall": None},
     {"outcome": None, "bytes": None}])
 def test_write_line_reads_back_as_the_json_encoder_wrote_it(tmp_path, over):
     """Write lines may be encoded by orjson (faster); each must read back to the record the
