@@ -243,27 +243,28 @@ class FrameReader:
     """
 
     def __init__(self, max_frame: int = MAX_FRAME_BYTES):
-        self._buf = bytearray()
+        # Immutable bytes, not a bytearray: each payload is then one slice (one copy), and
+        # what is left over is at most one partial frame, copied once per feed.
+        self._buf = b""
         self._max = max_frame
 
     def feed(self, data: bytes) -> list[bytes]:
-        self._buf += data
+        buf = self._buf + data if self._buf else bytes(data)
         out = []
-        buf = self._buf
-        pos = 0
-        while len(buf) - pos >= HEADER.size:
-            (length,) = HEADER.unpack_from(buf, pos)
+        pos, size, unpack = 0, HEADER.size, HEADER.unpack_from
+        while len(buf) - pos >= size:
+            (length,) = unpack(buf, pos)
             if length > self._max:
-                del buf[:pos]
+                self._buf = buf[pos:]
                 exc = EventError(REJECT_OVERSIZED, f"frame length {length}")
                 exc.payloads = out
                 raise exc
-            end = pos + HEADER.size + length
+            end = pos + size + length
             if end > len(buf):
                 break
-            out.append(bytes(buf[pos + HEADER.size:end]))
+            out.append(buf[pos + size:end])
             pos = end
-        del buf[:pos]
+        self._buf = buf[pos:]
         return out
 
     def pending(self) -> bool:
