@@ -26,8 +26,8 @@ DECODER_REASONS = {events.REJECT_MALFORMED, events.REJECT_OVERSIZED,
 CHECK = settings(max_examples=300, deadline=None, derandomize=True, database=None,
                  suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
-pytestmark = pytest.mark.skipif(codec.orjson is None,
-                                reason="orjson not installed: the agent uses the reference")
+needs_orjson = pytest.mark.skipif(codec.orjson is None,
+                                  reason="orjson not installed: the agent uses the reference")
 
 
 def reference(payload: bytes):
@@ -71,6 +71,7 @@ def raw(event: dict) -> bytes:
     return json.dumps(event, separators=(",", ":")).encode()
 
 
+@needs_orjson
 def test_golden_fixtures_decode_identically():
     assert GOLDEN
     results = assert_agree([open(p, "rb").read() for p in GOLDEN])
@@ -113,12 +114,14 @@ EDGES = [
 ]
 
 
+@needs_orjson
 def test_agree_where_the_json_parsers_differ():
     results = assert_agree(EDGES)
     seen = {r.reason for r in results if isinstance(r, events.EventError)}
     assert seen == DECODER_REASONS
 
 
+@needs_orjson
 def test_the_same_shape_with_bad_values_is_still_rejected_after_good_ones():
     """The accepted type combinations are memoised: a payload of a known shape with a bad
     value (v 2, pid 0, relative path) must still get the reference's verdict."""
@@ -129,6 +132,7 @@ def test_the_same_shape_with_bad_values_is_still_rejected_after_good_ones():
     assert [type(r) is dict for r in results] == [True] * 6 + [False] * 5 + [True] * 6
 
 
+@needs_orjson
 def test_memo_is_bounded_against_invented_shapes():
     before = {kind: set(shapes) for kind, shapes in codec._ACCEPTED.items()}
     try:
@@ -203,6 +207,7 @@ any_payload = st.one_of(
 )
 
 
+@needs_orjson
 @CHECK
 @given(st.lists(any_payload, min_size=1, max_size=6))
 def test_agree_on_generated_events(payloads):
@@ -220,3 +225,11 @@ def test_generated_events_reach_every_decoder_reason():
         seen.add(result.reason if isinstance(result, events.EventError) else "valid")
     collect()
     assert seen == DECODER_REASONS | {"valid"}
+
+
+def test_without_orjson_the_agent_decodes_with_the_reference(monkeypatch):
+    """orjson is optional: without it decode_many is the reference's, verdict for verdict."""
+    monkeypatch.setattr(codec, "orjson", None)
+    payloads = EDGES + [open(p, "rb").read() for p in GOLDEN]
+    assert [verdict(r) for r in codec.decode_many(payloads)] == \
+        [verdict(reference(p)) for p in payloads]
