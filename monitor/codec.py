@@ -2,8 +2,8 @@
 
 ckptwatch/events.py is the wire contract and its decoder is the reference: stdlib only,
 because it is loaded into training processes. The agent parses with orjson when it is
-installed (an agent dependency, see pyproject.toml; without it decode_many() is the
-reference's own, slower); validation is always the reference's validate().
+installed (an agent dependency, see pyproject.toml; without it, the reference's own parse,
+slower); validation is always the reference's validate(), memoised.
 
 The two JSON parsers must never disagree, including on the reason for a reject, so orjson
 only ever *accepts*, and only payloads on which it provably yields the reference's value:
@@ -29,6 +29,8 @@ tests/test_codec.py holds the two to agreement on the golden fixtures and on gen
 events, valid and not.
 """
 from __future__ import annotations
+
+import json
 
 from ckptwatch import events
 
@@ -73,7 +75,7 @@ def decode_many(payloads: list) -> list:
     """A dict or an EventError per payload, in order, exactly as ckptwatch.events.decode()
     returns or raises for each payload alone."""
     if orjson is None:
-        return events.decode_many(payloads)
+        return _decode_many_json(payloads)
     loads, error = orjson.loads, orjson.JSONDecodeError
     out = []
     append = out.append
@@ -86,6 +88,33 @@ def decode_many(payloads: list) -> list:
                     continue
                 except (error, events.EventError):
                     pass
+        append(_reference(payload))
+    return out
+
+
+_JSON = json.JSONDecoder()
+
+
+def _decode_many_json(payloads: list) -> list:
+    """Without orjson: the reference's own parse (ckptwatch.events.decode_many: each payload
+    alone, one bare JSON value) with the memoised validate()."""
+    raw_decode = _JSON.raw_decode
+    out = []
+    append = out.append
+    for payload in payloads:
+        if len(payload) <= events.MAX_FRAME_BYTES:
+            try:
+                text = payload.decode("utf-8")
+                value, end = raw_decode(text)
+                whole = end == len(text)
+            except (UnicodeDecodeError, ValueError, RecursionError):
+                whole = False
+            if whole:
+                try:
+                    append(validate(value))
+                except events.EventError as exc:
+                    append(exc)
+                continue
         append(_reference(payload))
     return out
 

@@ -47,7 +47,8 @@ def verdict(result) -> str:
 def assert_agree(payloads: list) -> list:
     fast = codec.decode_many(payloads)
     assert [verdict(r) for r in fast] == [verdict(reference(p)) for p in payloads]
-    # ... and so does the stdlib fallback the agent uses without orjson.
+    # ... and so do the stdlib paths: the agent's without orjson, and the reference's batch.
+    assert [verdict(r) for r in codec._decode_many_json(payloads)] == [verdict(r) for r in fast]
     assert [verdict(r) for r in events.decode_many(payloads)] == [verdict(r) for r in fast]
     return fast
 
@@ -231,5 +232,6 @@ def test_without_orjson_the_agent_decodes_with_the_reference(monkeypatch):
     """orjson is optional: without it decode_many is the reference's, verdict for verdict."""
     monkeypatch.setattr(codec, "orjson", None)
     payloads = EDGES + [open(p, "rb").read() for p in GOLDEN]
-    assert [verdict(r) for r in codec.decode_many(payloads)] == \
-        [verdict(reference(p)) for p in payloads]
+    for batch in (payloads, [b"\xff"] + payloads, payloads[::-1]):
+        assert [verdict(r) for r in codec.decode_many(batch)] == \
+            [verdict(reference(p)) for p in batch]
