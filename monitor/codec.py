@@ -12,8 +12,9 @@ only ever *accepts*, and only payloads on which it provably yields the reference
   lone surrogate escapes (orjson refuses them), integers beyond 64 bits (orjson returns a
   float), nesting near the parsers' different depth limits -- the payload goes to the
   reference. The first three make orjson fail; the last two are recognised before parsing by
-  a run of 19 digits or a nested container, which a hook's events never contain (a float is
-  at most 17 digits; events are flat).
+  a run of 19 digits or a second "{" or any "[" in the bytes, which a hook's events do not
+  contain (a float is at most 17 digits; events are flat) unless a string holds one: such an
+  event, say a path with a bracket, takes the reference's slower way, with the same result.
 * Whatever orjson's value fails validation is decoded again by the reference, so every
   reject and its reason are the reference's own. Rejects are rare and bounded in size.
 
