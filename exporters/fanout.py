@@ -39,6 +39,8 @@ class Fanout:
 
     def __init__(self, exporters: Sequence[Exporter]):
         self.exporters = tuple(exporters)
+        # Bound once: publish_write runs once per finished save, at tens of thousands a second.
+        self._write_methods = tuple(e.publish_write for e in self.exporters)
 
     def publish(self, items: Iterable) -> None:
         """Writes and Collisions as the detector returns them (and Findings)."""
@@ -53,7 +55,11 @@ class Fanout:
                 raise TypeError(f"cannot export {type(item).__name__}")
 
     def publish_write(self, write: Write) -> None:
-        self._each("publish_write", write)
+        for method in self._write_methods:
+            try:
+                method(write)
+            except Exception:
+                log.exception("%s.publish_write failed", type(method.__self__).__name__)
 
     def publish_collision(self, collision: Collision) -> None:
         self._each("publish_collision", collision)

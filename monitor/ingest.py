@@ -2,7 +2,8 @@
 
 One background thread multiplexes every connection with `selectors` over non-blocking sockets;
 each connection has its own FrameReader, so one client's garbage never touches another's
-stream. Transport and framing are described in ckptwatch/events.py.
+stream. Transport and framing are described in ckptwatch/events.py; payloads are decoded by
+monitor/codec.py (the contract's decoder, with orjson when installed).
 
 Each event's pid is checked against the kernel's peer credentials (SO_PEERCRED) of the
 connection it arrived on, so a process cannot report writes on behalf of another. The kernel
@@ -45,6 +46,7 @@ import time
 from typing import Callable
 
 from ckptwatch import events, paths
+from monitor import codec
 from monitor.logthrottle import ThrottledWarning
 from monitor.sender import Sender, peer_sender
 
@@ -490,7 +492,7 @@ class IngestServer:
 
     def _deliver(self, conn: _Conn, payloads: list) -> None:
         good = []
-        for event in events.decode_many(payloads):
+        for event in codec.decode_many(payloads):
             if type(event) is not dict:
                 self._reject(event.reason)
                 continue

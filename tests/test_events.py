@@ -244,3 +244,19 @@ def test_decode_many_matches_decode_one_by_one_whatever_is_mixed_in():
                     assert item == expected, (bad, raw)
     assert decode_many(good) == [decode(p) for p in good]
     assert decode_many([]) == []
+
+
+def test_decode_many_does_not_glue_two_broken_payloads_into_valid_ones():
+    """Found by fuzzing: decode_many parsed "[p1,p2,...]" at once, so two payloads that are
+    each invalid JSON could join into two valid values (`{"a":1},{"b":[1` + `2]}`), and two
+    half-events into two whole ones; each payload must stand alone."""
+    from ckptwatch.events import decode_many
+    glued = [b'{"a":1},{"b":[1', b'2]}']
+    got = decode_many(glued)
+    assert [getattr(r, "reason", None) for r in got] == [events.REJECT_MALFORMED] * 2
+    # The same trick with events: neither half is a valid event on its own.
+    whole = payload(encode(start(seq=1)))
+    first, second = whole[:-1] + b'},{"v":1,"type":"start","node":"n","pid":7' , \
+        b'"seq":2,"path":"/c.pt","wall":1.0,"mono":2.0}'
+    assert [getattr(r, "reason", None) for r in decode_many([first, second])] == \
+        [events.REJECT_MALFORMED] * 2

@@ -152,3 +152,40 @@ def test_write_record_keeps_the_journal_format():
                                  "outcome", "site", "func", "source"]
             assert rec["duration"] == (None if end is None else 2.5)
             assert Write.from_record(rec).writer == writer
+
+
+@pytest.mark.parametrize("over", [
+    {}, {"start_wall": float("nan")}, {"end_wall": float("inf")}, {"bytes": 2 ** 70},
+    {"path": "/ckpt/\udcff-undecodable.pt"}, {"path": "/ckpt/ünï路径.pt"},
+    {"site": "null.py:1"}, {"end_mono": 1000.0000005}, {"start_wall": 1e-05},
+    {"end_mono": float("inf")}, {"start_mono": float("nan")}, {"end_wall": None},
+    {"outcome": None, "bytes": None}])
+def test_write_line_reads_back_as_the_json_encoder_wrote_it(tmp_path, over):
+    """Write lines may be encoded by orjson (faster); each must read back to the record the
+    stdlib encoder would have written -- NaN stays NaN, not null -- and the same holds
+    without orjson."""
+    import math
+    from dataclasses import replace
+
+    from exporters import journal as journal_module
+    from exporters.journal import _ENCODER, write_record
+    w = make_write()
+    fields = {k: v for k, v in over.items() if k in w.__dataclass_fields__}
+    w = replace(w, **fields)
+    expected = write_record(w)
+    expected["ts"] = 5.0
+    expected = json.loads(_ENCODER.encode(expected))
+    for orjson in (journal_module.orjson, None):
+        saved, journal_module.orjson = journal_module.orjson, orjson
+        try:
+            path = tmp_path / f"j{orjson is None}.jsonl"
+            with Journal(str(path), wall_clock=lambda: 5.0) as journal:
+                assert journal.write(w)
+            (got,) = list(read_records(str(path)))
+        finally:
+            journal_module.orjson = saved
+        assert list(got) == list(expected)
+        for key in expected:
+            a, b = got[key], expected[key]
+            assert type(a) is type(b) and (a == b or (isinstance(a, float) and math.isnan(a)
+                                                      and math.isnan(b))), key
