@@ -465,3 +465,29 @@ def test_event_frames_decode_to_the_documented_fields():
                                start_wall=1700000000.123456, start_mono=12345.000001,
                                bytes=size, outcome=outcome)
             assert len(frame) - 4 == events.HEADER.unpack(frame[:4])[0]
+
+
+def test_an_instrumented_save_loads_only_stdlib_and_ckptwatch_modules(rx, sock, workdir):
+    # Issue 7's bound, checked exactly: the modules an instrumented save loads, beyond those the
+    # same save loads without ckptwatch, are standard library or ckptwatch's own.
+    result = run_script(workdir, """
+        import json, sys, torch
+        torch.save(1, "warm.pt")                  # whatever torch loads lazily on a first save
+        plain_before = set(sys.modules)
+        torch.save(1, "plain.pt")
+        plain = set(sys.modules) - plain_before
+        before = set(sys.modules)
+        import ckptwatch
+        ckptwatch.install()
+        torch.save(1, "x.pt")
+        from ckptwatch import emitter
+        emitter.get_emitter().flush(5)
+        added = sorted(set(sys.modules) - before - plain)
+        foreign = [m for m in added if m.split(".")[0] not in sys.stdlib_module_names
+                   and m.split(".")[0] != "ckptwatch"]
+        print(json.dumps({"foreign": foreign, "ours": [m for m in added
+                                                        if m.startswith("ckptwatch")]}))
+        """, sock)
+    assert result["foreign"] == []
+    assert "ckptwatch.hook" in result["ours"] and "ckptwatch.emitter" in result["ours"]
+    rx.wait_count("end", 1)
