@@ -205,7 +205,7 @@ def test_reading_a_checkpoint_while_another_process_writes_it_is_a_torn_read(wat
     env = _clean_env()
     with holding_open(path, "torn"):
         # The watcher has attributed the writer first: its write is in flight at the agent.
-        wait_for(lambda: agent.metric("ckptwatch_active_writes", job="torn"), timeout=15,
+        wait_for(lambda: agent.metric("ckptwatch_active_writes", training_job="torn"), timeout=15,
                  message="the writer's write in flight")
         reader = subprocess.run([sys.executable, "-c", READER, path], capture_output=True,
                                 text=True, env={**env, "CKPTWATCH_JOB": "eval"}, timeout=30)
