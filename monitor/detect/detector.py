@@ -54,8 +54,9 @@ from bisect import insort
 from collections import OrderedDict
 from typing import Callable
 
-from monitor.detect.model import (KIND_CONCURRENT, KIND_REDUNDANT, SCOPE_NODE, SOURCE_HOOK,
-                                  WRITER_FIELDS, Collision, Write, Writer)
+from monitor.detect.model import (KIND_CONCURRENT, KIND_REDUNDANT, SCOPE_JOB, SCOPE_NODE,
+                                  SOURCE_HOOK, SOURCE_JOB, WRITER_FIELDS, Collision, Write,
+                                  Writer)
 
 OUTCOME_LOST = "lost"
 # How often tick() looks at in-flight writes for dead processes and stale starts.
@@ -69,6 +70,13 @@ MAX_PATH_WRITES = 1024
 # Keys of writes closed as "lost": their real end, if it still arrives, must not count twice.
 _LOST_KEYS_CAP = 65536
 _INF = float("inf")
+# Job scope (observe_remote): remote writes held per path and in all, and how many remote
+# write keys are remembered so a write reported again (by every local rank that wrote the
+# path, or by later polls) counts once.
+MAX_REMOTE_PER_PATH = 64
+MAX_REMOTE_HELD = 8192
+_REMOTE_SEEN_CAP = 65536
+REMOTE_REJECT_REASONS = ("unanchored", "path_full", "held_full")
 
 
 class _Entry:
@@ -76,12 +84,14 @@ class _Entry:
 
     __slots__ = ("writer", "path", "seq", "start_wall", "start_mono", "end_wall", "end_mono",
                  "bytes", "outcome", "site", "func", "order", "seen_at", "done_at",
-                 "last_mono", "last_wall", "write", "dropped", "source", "seen_by")
+                 "last_mono", "last_wall", "write", "dropped", "source", "seen_by",
+                 "reporter")
 
     def __init__(self, writer: Writer, path: str, seq: int, start_wall: float,
                  start_mono: float, site, func, order: int, seen_at: float,
                  source: str = SOURCE_HOOK):
-        self.source = source            # who reported this write: "hook" or "fs"
+        self.source = source            # who reported this write: "hook", "fs" or "job"
+        self.reporter = None            # source "job": the local pid that reported it
         self.seen_by = {source}         # every source that saw it (see Detector.mark_source)
         self.writer = writer
         self.path = path
@@ -120,7 +130,8 @@ class _Entry:
         self.write = Write(writer=self.writer, path=self.path, seq=self.seq,
                            start_wall=self.start_wall, start_mono=self.start_mono,
                            end_wall=end_wall, end_mono=end_mono, bytes=nbytes, outcome=outcome,
-                           site=self.site, func=self.func, source=self.source)
+                           site=self.site, func=self.func, source=self.source,
+                           reporter=self.reporter)
         return self.write
 
 
@@ -230,17 +241,34 @@ def collision_id(path: str, first_start_wall: float) -> str:
     return digest.hexdigest()[:16]
 
 
+def job_collision_id(run_key, path: str, writes) -> str:
+    """Id of a job-scope collision: the job run, the path and the set of writes (node, pid,
+    seq). Every agent that sees the same collision derives the same id from what it knows of
+    it, so `ckptwatch report` over several nodes' journals counts it once."""
+    keys = sorted((w.writer.node, w.writer.pid, w.seq) for w in writes)
+    text = f"{run_key!r}\0{path}\0{keys!r}"
+    return "j" + hashlib.sha1(text.encode("utf-8", "surrogatepass")).hexdigest()[:15]
+
+
 class Detector:
     """Turns start/end events into Writes and Collisions. See the module docstring."""
 
     def __init__(self, window: float = 60.0, settle: float = 1.0, stale_after: float = 3600.0,
                  max_paths: int = 10000, clock: Callable[[], float] = time.monotonic,
                  wall_clock: Callable[[], float] = time.time,
-                 pid_alive: Callable[[str, int], bool] | None = None):
-        if window < 0 or settle < 0 or stale_after <= 0 or max_paths < 1:
+                 pid_alive: Callable[[str, int], bool] | None = None,
+                 job_settle: float = 3.0):
+        if window < 0 or settle < 0 or stale_after <= 0 or max_paths < 1 or job_settle < 0:
             raise ValueError("window and settle must be >= 0, stale_after > 0, max_paths >= 1")
         self._window = float(window)
         self._settle = float(settle)
+        # A concurrent group with a writer of a distributed job waits this long (at least)
+        # before it is final: other nodes' writes of it arrive through the writers' job scope
+        # (store round trips, polls), later than local ends.
+        self._job_settle = max(float(job_settle), self._settle)
+        self._remote_seen: OrderedDict[tuple, None] = OrderedDict()
+        self._remote_held = 0
+        self.remote_rejected = {reason: 0 for reason in REMOTE_REJECT_REASONS}
         # How long a reported collision still breaks redundant chains.
         self._linger = max(self._window, self._settle)
         self._stale_after = float(stale_after)
@@ -289,6 +317,50 @@ class Detector:
             self._start(key, event, now, out)
         else:
             self._end(key, event, now, out)
+        return out
+
+    def observe_remote(self, event: dict) -> list:
+        """A validated "remote" event: another node's write of a path, reported by the local
+        process (event node, pid) whose own write `seq` of that path this agent tracks.
+
+        Nothing in it can be checked, so what it can do is bounded: it is taken only while
+        the reporter's own write of that path is held here (a sender can add writes only to
+        paths it wrote itself, never create one), at most MAX_REMOTE_PER_PATH per path and
+        MAX_REMOTE_HELD in all, each remote write once; it is never a Write of this node (no
+        write metrics) and its collision says scope "job" and who reported it. Returns the
+        Collisions it made final (normally none: the path is regrouped at its due time)."""
+        path = event["path"]
+        state = self._paths.get(path)
+        anchor = (event["node"], event["pid"], event["seq"])
+        if state is None or not any(e.key == anchor for e in state.entries):
+            self.remote_rejected["unanchored"] += 1
+            return []
+        w = event["writer"]
+        key = (w["node"], w["pid"], event["wseq"])
+        if key in self._remote_seen or any(e.key == key for e in state.entries):
+            return []
+        if sum(1 for e in state.entries if e.source == SOURCE_JOB) >= MAX_REMOTE_PER_PATH:
+            self.remote_rejected["path_full"] += 1
+            return []
+        if self._remote_held >= MAX_REMOTE_HELD:
+            self.remote_rejected["held_full"] += 1
+            return []
+        self._remote_seen[key] = None
+        if len(self._remote_seen) > _REMOTE_SEEN_CAP:
+            self._remote_seen.popitem(last=False)
+        now = self._clock()
+        writer = self._writer({**w, "node": w["node"], "pid": w["pid"]})
+        entry = _Entry(writer, path, event["wseq"], event["start_wall"], event["start_mono"],
+                       event.get("site"), event.get("func"), next(self._order), now,
+                       SOURCE_JOB)
+        entry.reporter = event["pid"]
+        entry.finish(event["end_wall"], event["end_mono"], event.get("bytes"),
+                     event["outcome"], now)
+        insort(state.entries, entry, key=_sort_key)
+        self._remote_held += 1
+        self._paths.move_to_end(path)
+        out: list = []
+        self._schedule(state, entry.done_at + self._job_settle)
         return out
 
     def mark_source(self, path: str, key: tuple, source: str) -> bool:
@@ -517,7 +589,8 @@ class Detector:
                 break_chains(runs, provisional=group.in_flight)
                 if group.in_flight:
                     continue
-                if force or now >= group.done_at + settle:
+                group_settle = self._group_settle(group)
+                if force or now >= group.done_at + group_settle:
                     out.append(self._collision(KIND_CONCURRENT, state.path, group.entries))
                     self._drop(group.entries)
                     expire_at = group.done_at + linger
@@ -525,7 +598,7 @@ class Detector:
                         new_barriers.append(_Barrier(group.start, runs, expire_at))
                         due = min(due, expire_at)
                 else:
-                    due = min(due, group.done_at + settle)
+                    due = min(due, group.done_at + group_settle)
                 continue
             run = group.entries[0].writer.run_key
             if run is None:
@@ -589,14 +662,29 @@ class Detector:
             return _INF
         return ready_at
 
-    @staticmethod
-    def _drop(entries) -> None:
+    def _group_settle(self, group: _Group) -> float:
+        """settle, or job_settle when a writer belongs to a distributed job (its other nodes'
+        writes may still be on their way through job scope)."""
+        for entry in group.entries:
+            w = entry.writer
+            if w.master is not None and (w.world_size or 0) > 1:
+                return self._job_settle
+        return self._settle
+
+    def _drop(self, entries) -> None:
         for entry in entries:
+            if not entry.dropped and entry.source == SOURCE_JOB:
+                self._remote_held -= 1
             entry.dropped = True
 
     def _collision(self, kind: str, path: str, entries: list) -> Collision:
         writes = tuple(e.write for e in entries)    # entries come in start order
         sources = tuple(sorted(set().union(*(e.seen_by for e in entries))))
+        if any(e.source == SOURCE_JOB for e in entries):
+            runs = {e.writer.run_key for e in entries}
+            return Collision(path=path, kind=kind, writes=writes, scope=SCOPE_JOB,
+                             sources=sources, detected_wall=self._wall_clock(),
+                             id=job_collision_id(sorted(map(repr, runs)), path, writes))
         return Collision(path=path, kind=kind, writes=writes, scope=SCOPE_NODE,
                          sources=sources, detected_wall=self._wall_clock(),
                          id=collision_id(path, writes[0].start_wall))
