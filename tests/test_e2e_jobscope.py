@@ -42,8 +42,10 @@ def agents():
             remove_tree(workdir)
 
 
-def run_two_nodes(agents, mode: str, *, extra_env=None, extra_args=()) -> tuple[str, str]:
-    """Both nodes' torchruns at once; (job id, checkpoint directory) once both exit 0."""
+def run_two_nodes(agents, mode: str, *, extra_env=None, extra_args=(), nproc: int = 2,
+                  program=None) -> tuple[str, str]:
+    """Both nodes' torchruns at once; (job id, checkpoint directory) once both exit 0.
+    program: the training program's arguments (default monitor.cli.demo_job --save mode)."""
     job = f"js-{mode}-{uuid.uuid4().hex[:8]}"
     root = short_tmpdir("cwjs")
     out = os.path.join(root, "ckpt")
@@ -55,9 +57,10 @@ def run_two_nodes(agents, mode: str, *, extra_env=None, extra_args=()) -> tuple[
                     "CKPTWATCH_SHARED_PATHS": root}, **(extra_env or {}))
         cmd = [sys.executable, "-m", "monitor.cli", "run", "--socket", agents[node].socket,
                "--", sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
-               "--node-rank", str(node_rank), "--nproc-per-node", "2",
+               "--node-rank", str(node_rank), "--nproc-per-node", str(nproc),
                "--master-addr", "127.0.0.1", "--master-port", str(port),
-               "-m", "monitor.cli.demo_job", "--out", out, "--save", mode, *extra_args]
+               *(program or ["-m", "monitor.cli.demo_job", "--save", mode]), "--out", out,
+               *extra_args]
         procs.append(subprocess.Popen(cmd, env=env, cwd=REPO_ROOT, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True))
     for p in procs:
@@ -192,3 +195,26 @@ def test_store_unreachable_training_runs_node_scope_works_job_scope_disabled(age
     # path that names neither its rank nor its node.
     assert agents["node-b"].metric("ckptwatch_hazards_total", training_job=job,
                                    kind="local_rank_guard") == 1
+
+
+def test_transformers_save_on_each_node_on_shared_storage_is_caught(agents):
+    """transformers' TrainingArguments(save_on_each_node=True) on two nodes (one rank each)
+    whose output directory is shared: each node's local rank 0 writes the same checkpoint
+    files (optimizer.pt, scheduler.pt, training_args.bin)."""
+    pytest.importorskip("transformers")
+    script = os.path.join(REPO_ROOT, "tests", "frameworks", "hf_trainer.py")
+    job, out = run_two_nodes(agents, "hf", nproc=1, program=[script],
+                             extra_args=("--save-on-each-node",))
+    optimizer = os.path.join(out, "checkpoint-2", "optimizer.pt")
+    for node, agent in agents.items():
+        found = wait_for(lambda: [c for c in job_collisions(agent, job)
+                                  if c["path"] == optimizer], timeout=60,
+                         message=f"a job-scope collision on optimizer.pt on {node}\n{agent.log}")
+        assert ranks_of(found[0]) == [0, 1]
+        assert all("transformers" in w["site"] for w in found[0]["writers"])
+    guards = wait_for(lambda: {h["path"] for h in records(agents["node-b"], job, "hazard")
+                               if h["hazard"] == "local_rank_guard"}, timeout=30,
+                      message="local_rank_guard hazards on node-b")
+    assert optimizer in guards
+    # rng_state_1.pth names its rank: not a hazard, and each rank writes its own.
+    assert not [p for p in guards if os.path.basename(p).startswith("rng_state")]
