@@ -149,7 +149,8 @@ class _Own:
     """One of our writes: its slot, its tickets, and what was learnt about its path."""
 
     __slots__ = ("seq", "path", "h", "epoch", "slot", "key", "rec", "sm", "em", "done",
-                 "reported", "counts", "next_poll", "delay", "until", "in_flight_seen")
+                 "reported", "read_upto", "in_flight", "ranks", "nodes", "shared",
+                 "next_poll", "delay", "until", "in_flight_seen")
 
     def __init__(self, seq, path, h, epoch):
         self.seq, self.path, self.h, self.epoch = seq, path, h, epoch
@@ -158,7 +159,11 @@ class _Own:
         self.sm = self.em = None
         self.done = False
         self.reported: dict = {}        # remote key -> True once reported with its end
-        self.counts: dict = {}          # epoch -> slot count seen at the last read
+        self.read_upto: dict = {}       # epoch -> highest slot index read so far
+        self.in_flight: set = set()     # slot keys of other writes seen in flight: read again
+        self.ranks: set = set()         # ranks known to write the path (hazard)
+        self.nodes: set = set()
+        self.shared = None
         self.next_poll = self.delay = self.until = 0.0
         self.in_flight_seen = False
 
@@ -197,6 +202,7 @@ class JobScope:
         self._deletes: list = []                     # heap (due, order, seq or stale key)
         self._delete_order = 0
         self._hazards_sent: set = set()
+        self._own_keys: set = set()                  # our live slot keys: never read back
         self.counters = {"announced": 0, "unannounced": 0, "dropped": 0, "remote_reported": 0,
                          "hazards": 0, "store_ops": 0, "store_bytes": 0, "errors": 0,
                          "deleted": 0}
@@ -420,6 +426,7 @@ class JobScope:
         own.slot = self._op("add", f"{base}/n", 1)
         own.key = f"{base}/{own.slot}"
         self._op("set", own.key, json.dumps(own.rec, separators=(",", ":")))
+        self._own_keys.add(own.key)
         self.counters["announced"] += 1
 
     def _announce_end(self, pending, wall, mono, outcome) -> None:
@@ -526,30 +533,28 @@ class JobScope:
         return False
 
     def _read_path(self, own: _Own, now: float, force: bool = False) -> None:
-        """Read the other slots of our path around our write's epoch; report what is new."""
+        """Read the slots of our path around our write's epoch that are new since the last
+        read (or were in flight then), other than our own; report what is new."""
         base = f"{self.prefix}/{own.h}"
-        found = []
-        changed = force or own.in_flight_seen
+        keys = list(own.in_flight)
         for epoch in (own.epoch - 1, own.epoch, own.epoch + 1):
             raw = self._peek(f"{base}/{epoch}/n")
             count = int(raw) if raw is not None and raw.isdigit() else 0
-            if count != own.counts.get(epoch):
-                changed = True
-                own.counts[epoch] = count
-            if count:
-                found.append((epoch, count))
-        if not changed:
-            return
-        keys = []
-        for epoch, count in found:
-            for i in range(max(1, count - MAX_SLOTS_READ + 1), count + 1):
+            first = max(own.read_upto.get(epoch, 0) + 1, count - MAX_SLOTS_READ + 1, 1)
+            own.read_upto[epoch] = max(count, own.read_upto.get(epoch, 0))
+            for i in range(first, count + 1):
                 key = f"{base}/{epoch}/{i}"
-                if key != own.key:
+                if key not in self._own_keys:
                     keys.append(key)
+        if not keys:
+            return
         records = self._get_many(keys)
         own.in_flight_seen = False
-        ranks, nodes = {own.rec["rank"]}, {own.rec["node"]}
-        shared = own.rec["shared"]
+        own.in_flight = set()
+        ranks, nodes = own.ranks, own.nodes
+        ranks.add(own.rec["rank"])
+        nodes.add(own.rec["node"])
+        shared = own.shared = own.shared or own.rec["shared"]
         wall_now = self._wall()
         for key, rec in records:
             if rec.get("path") != own.path:
@@ -563,15 +568,17 @@ class JobScope:
             ranks.add(rec.get("rank"))
             nodes.add(rec.get("node"))
             shared = shared or rec.get("shared")
-            if rec.get("node") == own.rec["node"]:
-                continue            # a local writer: the agent hears it from its own hook
             if ew is None:
                 own.in_flight_seen = True
+                own.in_flight.add(key)
                 continue
+            if rec.get("node") == own.rec["node"]:
+                continue            # a local writer: the agent hears it from its own hook
             self._report_remote(own, rec)
-        ranks.discard(None)
-        if shared and len(ranks) >= 2:
-            self._hazard(HAZARD_SHARED_MULTI_WRITER, own, list(ranks),
+        own.shared = shared
+        known = {r for r in ranks if type(r) is int}
+        if shared and len(known) >= 2:
+            self._hazard(HAZARD_SHARED_MULTI_WRITER, own, list(known),
                          [n for n in nodes if isinstance(n, str)])
 
     def _related(self, own: _Own, rec: dict) -> bool:
@@ -656,6 +663,7 @@ class JobScope:
             self._push_delete(self._clock() + self.window, what)
             return
         self._own.pop(what, None)
+        self._own_keys.discard(own.key)
         if own.key is None or self._store is None:
             return
         try:

@@ -150,9 +150,10 @@ def test_a_later_writer_is_found_by_the_earlier_ones_poll(store):
 
 
 def test_store_keys_do_not_grow_with_the_number_of_saves(store):
-    """10,000 saves by two ranks of two nodes (5,000 each, on 8 paths), a 1 s window: once the
-    windows have passed, the store holds what it held before plus the ticket counter."""
-    window = 1.0
+    """10,000 saves by two ranks of two nodes (5,000 each, on 8 paths), a 0.25 s window (the
+    run lasts many windows): keys are deleted while it runs, and once the last windows have
+    passed the store holds what it held before plus the ticket counter."""
+    window = 0.25
     a = Rank(store.port, "node-a", 0, 0, window=window)
     b = Rank(store.port, "node-b", 2, 0, window=window)
     wait_for(lambda: a.active() and b.active(), message="connected")
@@ -171,7 +172,7 @@ def test_store_keys_do_not_grow_with_the_number_of_saves(store):
     after = wait_for(lambda: store.num_keys() <= before + 1 and store.num_keys(), timeout=30,
                      message=f"keys back to {before} + ticket counter (now {store.num_keys()})")
     assert after == before + 1
-    assert peak < 2000, peak        # bounded by the saves of the last windows, not 10,000
+    assert peak < 5000, peak        # the saves of the last windows, not all 10,000
     assert a.scope.state == "active" and a.scope.counters["errors"] == 0
 
 
