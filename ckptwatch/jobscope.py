@@ -4,7 +4,8 @@ the job's own store, so writes of one path from different nodes are seen by ever
 Loaded into training processes: standard library, plus the process's own torch (imported here
 only in the background thread, and only in a process that torch.save was patched in, i.e. that
 has imported torch already). Started by the hook's install() when the environment describes a
-distributed job (MASTER_ADDR, MASTER_PORT, RANK and WORLD_SIZE all set).
+distributed job that spans nodes (MASTER_ADDR, MASTER_PORT, RANK and WORLD_SIZE all set, and
+LOCAL_WORLD_SIZE, when set, smaller than WORLD_SIZE: a single-node job has nothing to learn).
 
 What runs where:
 - The save path calls started() and ended(): each appends a tuple to a bounded deque (dropped
@@ -693,6 +694,8 @@ def start_if_distributed(ident: dict, environ=None) -> JobScope | None:
         return None
     if any(not env.get(name) for name in REQUIRED_ENV) or "torch" not in sys.modules:
         return None
+    if env.get("LOCAL_WORLD_SIZE") == env.get("WORLD_SIZE"):
+        return None         # every rank on this node: its agent already sees them all
     try:
         port = int(env.get(STORE_PORT_ENV) or env["MASTER_PORT"])
     except ValueError:

@@ -606,6 +606,18 @@ def test_a_node_collision_also_seen_in_the_job_is_reported_once_as_job_scope():
     assert sorted(w.writer.rank for w in found[0].writes) == [0, 1, 2]
 
 
+def test_single_node_distributed_jobs_keep_the_short_settle():
+    clock = FakeClock(0.0)
+    det = make(clock, settle=0.5, job_settle=5.0)
+    evs = [dist_start(11, 1, 0.0), dist_start(12, 1, 0.1), dist_end(11, 1, 1.0, 0.0),
+           dist_end(12, 1, 1.1, 0.1)]
+    for ev in evs:
+        ev["local_world_size"] = 4          # world_size 4: every rank on this node
+    out = feed(det, clock, [(0.0, evs[0]), (0.1, evs[1]), (1.0, evs[2]), (1.1, evs[3]),
+                            (1.7, start(13, 1, 1.7, path="/other"))])
+    assert len(collisions(out)) == 1
+
+
 def test_node_only_jobs_keep_the_short_settle():
     clock = FakeClock(0.0)
     det = make(clock, settle=0.5, job_settle=5.0)

@@ -230,3 +230,6 @@ def test_start_if_distributed_needs_the_whole_environment(monkeypatch):
     assert jobscope.start_if_distributed(ident("a", 0, 0), env) is None
     assert jobscope.start_if_distributed(ident("a", 0, 0),
                                          dict(env, WORLD_SIZE="2", CKPTWATCH_JOBSCOPE="0")) is None
+    # a single-node job (every rank local): its agent sees all of them already
+    assert jobscope.start_if_distributed(ident("a", 0, 0),
+                                         dict(env, WORLD_SIZE="4", LOCAL_WORLD_SIZE="4")) is None

@@ -663,11 +663,14 @@ class Detector:
         return ready_at
 
     def _group_settle(self, group: _Group) -> float:
-        """settle, or job_settle when a writer belongs to a distributed job (its other nodes'
-        writes may still be on their way through job scope)."""
+        """settle, or job_settle when a writer belongs to a job that spans several nodes (its
+        other nodes' writes may still be on their way through job scope)."""
         for entry in group.entries:
             w = entry.writer
-            if w.master is not None and (w.world_size or 0) > 1:
+            # A job whose ranks all run on this node (local world = world) has no other node
+            # to hear from: it keeps the short settle.
+            if (w.master is not None and (w.world_size or 0) > 1
+                    and (w.local_world_size is None or w.local_world_size < w.world_size)):
                 return self._job_settle
         return self._settle
 
