@@ -43,7 +43,7 @@ def agents():
 
 
 def run_two_nodes(agents, mode: str, *, extra_env=None, extra_args=(), nproc: int = 2,
-                  program=None) -> tuple[str, str]:
+                  program=None, set_job: bool = True) -> tuple[str, str]:
     """Both nodes' torchruns at once; (job id, checkpoint directory) once both exit 0.
     program: the training program's arguments (default monitor.cli.demo_job --save mode)."""
     job = f"js-{mode}-{uuid.uuid4().hex[:8]}"
@@ -53,8 +53,10 @@ def run_two_nodes(agents, mode: str, *, extra_env=None, extra_args=(), nproc: in
     procs = []
     for node_rank, node in enumerate(NODES):
         env = {k: v for k, v in os.environ.items() if not k.startswith("CKPTWATCH_")}
-        env.update({"CKPTWATCH_JOB": job, "CKPTWATCH_NODE": node, "OMP_NUM_THREADS": "1",
+        env.update({"CKPTWATCH_NODE": node, "OMP_NUM_THREADS": "1",
                     "CKPTWATCH_SHARED_PATHS": root}, **(extra_env or {}))
+        if set_job:
+            env["CKPTWATCH_JOB"] = job
         cmd = [sys.executable, "-m", "monitor.cli", "run", "--socket", agents[node].socket,
                "--", sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
                "--node-rank", str(node_rank), "--nproc-per-node", str(nproc),
@@ -218,3 +220,18 @@ def test_transformers_save_on_each_node_on_shared_storage_is_caught(agents):
     assert optimizer in guards
     # rng_state_1.pth names its rank: not a hazard, and each rank writes its own.
     assert not [p for p in guards if os.path.basename(p).startswith("rng_state")]
+
+
+def test_static_rendezvous_run_id_none_is_told_apart_by_the_master_address(agents):
+    """Without CKPTWATCH_JOB, torchrun's static rendezvous gives every job
+    TORCHELASTIC_RUN_ID=none: job scope keys the run by MASTER_ADDR:MASTER_PORT too."""
+    _, out = run_two_nodes(agents, "local-rank0", set_job=False,
+                           extra_args=("--width", "2048"))
+    path = os.path.join(out, "last.pt")
+    for node, agent in agents.items():
+        found = wait_for(lambda: [c for c in agent.journal_records()
+                                  if c.get("type") == "collision" and c["path"] == path],
+                         timeout=60, message=f"the collision on {node}\n{agent.log}")
+        assert found[0]["scope"] == "job" and ranks_of(found[0]) == [0, 2]
+        assert {w["job"] for w in found[0]["writers"]} == {"none"}
+        assert len({w["master"] for w in found[0]["writers"]}) == 1
