@@ -431,7 +431,7 @@ class JobScope:
         self.counters["announced"] += 1
 
     def _announce_end(self, pending, wall, mono, outcome) -> None:
-        ident, seq, path = pending[0], pending[1], pending[2]
+        seq, path = pending[1], pending[2]
         own = self._own.get(seq)
         if own is None:                       # its start was dropped: nothing to pair with
             self._announce_start(pending)
