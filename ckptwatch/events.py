@@ -45,12 +45,50 @@ Event object (schema version 1). Fields marked (start, end) appear in both kinds
   --- dropped only ---
   count        int   events dropped since the last "dropped" event (>= 1)
 
+Job scope (ckptwatch/jobscope.py) adds three types, sent by the hook's job-scope thread about
+the sending process (node and pid are the sender's, checked like any other event's pid).
+Added within version 1: start/end/dropped are unchanged, and an agent that predates them
+rejects only these (as "incomplete") and counts them.
+
+  "remote": a write of the same path by a process of the same job run ON ANOTHER NODE, as
+  learned from the job's store. It describes someone else: nothing in it can be checked by
+  the agent, which labels what it concludes from it scope="job" and attributes it to the
+  reporting process (node, pid).
+  seq          int   the sender's own write (of `path`) this report is about
+  path         str   absolute path, the same path the sender wrote
+  wall         float when the sender learnt it
+  writer       obj   the remote writer: node str (not the sender's node), pid int, and the
+                     optional rank, local_rank, world_size, local_world_size, node_rank (int|null),
+                     job, master (str|null), restart (int|null)
+  wseq         int   the remote writer's own seq of that write
+  start_wall, end_wall   float   the remote write's interval, the remote node's wall clock
+  start_mono, end_mono   float   the same interval in the SENDER's CLOCK_MONOTONIC, placed so
+                     that its overlap with the sender's write agrees with the store's order
+  bytes        int|null; outcome str; site, func str|null   as in "end"
+  overlap      bool|null  the store's verdict (null: walls decided)
+  shared       str|null   why the remote node sees the path as shared storage
+
+  "hazard": a save that will collide sooner or later, reported even though nothing collided.
+  kind         str   "local_rank_guard" | "shared_storage_multi_writer"
+  seq, path    the sender's own write
+  rank, local_rank, world_size, node_rank, job, master, restart, site, func   as in "start"
+  shared       str   why the path is shared ("CKPTWATCH_SHARED_PATHS", "mount:nfs4", ...)
+  ranks        [int]  global ranks known to write the path (<= 64)
+  nodes        [str]  their nodes (<= 64)
+  wall         float
+
+  "jobscope": the sender's job-scope state changed.
+  state        str   "active" (connected to the job's store) | "disabled"
+  reason       str|null   why disabled
+  rank, job, master, restart   as in "start"; wall float
+
 Optional fields may be absent; unknown extra fields are ignored (forward compatible within a
 version). A writer is identified by (node, pid).
 """
 from __future__ import annotations
 
 import json
+import math
 import struct
 
 SCHEMA_VERSION = 1
@@ -65,8 +103,17 @@ REJECT_UNKNOWN_VERSION = "unknown_version"
 REJECT_INCOMPLETE = "incomplete"        # required field missing or of the wrong type
 REJECT_TRUNCATED = "truncated"          # connection closed in the middle of a frame
 REJECT_PID_MISMATCH = "pid_mismatch"    # event pid is not the connected process's pid
+REJECT_RATE_LIMITED = "rate_limited"    # job-scope events above a connection's rate
 REJECT_REASONS = (REJECT_MALFORMED, REJECT_OVERSIZED, REJECT_UNKNOWN_VERSION,
-                  REJECT_INCOMPLETE, REJECT_TRUNCATED, REJECT_PID_MISMATCH)
+                  REJECT_INCOMPLETE, REJECT_TRUNCATED, REJECT_PID_MISMATCH,
+                  REJECT_RATE_LIMITED)
+
+# Job-scope event types (see the module docstring) and what they may say.
+JOB_SCOPE_TYPES = frozenset({"remote", "hazard", "jobscope"})
+HAZARD_KINDS = ("local_rank_guard", "shared_storage_multi_writer")
+JOBSCOPE_STATES = ("active", "disabled")
+MAX_LIST = 64                           # ranks / nodes listed in a hazard
+MAX_TEXT = 4096                         # any string field of a job-scope event
 
 
 class EventError(ValueError):
@@ -190,6 +237,8 @@ def validate(event: object) -> dict:
         if event["count"] < 1:
             raise EventError(REJECT_INCOMPLETE, "count must be positive")
         return event
+    if kind in JOB_SCOPE_TYPES:
+        return _validate_job_scope(event, kind)
     if kind != "start" and kind != "end":
         raise EventError(REJECT_INCOMPLETE, f"unknown type {kind!r}")
     _check(event, _WRITE, required=True)
@@ -199,6 +248,78 @@ def validate(event: object) -> dict:
     if kind == "end":
         _check(event, _END, required=True)
         _check(event, _END_OPTIONAL, required=False)
+    return event
+
+
+_BOOL_OPT = frozenset({bool, type(None)})
+_REMOTE = (("seq", _INT), ("path", _STR), ("wall", _NUM), ("wseq", _INT),
+           ("start_wall", _NUM), ("end_wall", _NUM), ("start_mono", _NUM), ("end_mono", _NUM),
+           ("outcome", _STR))
+_REMOTE_OPTIONAL = (("bytes", _OPT_INT), ("site", _OPT_STR), ("func", _OPT_STR),
+                    ("overlap", _BOOL_OPT), ("shared", _OPT_STR))
+_REMOTE_WRITER = (("node", _STR), ("pid", _INT))
+_REMOTE_WRITER_OPTIONAL = (
+    ("rank", _OPT_INT), ("local_rank", _OPT_INT), ("world_size", _OPT_INT),
+    ("local_world_size", _OPT_INT), ("node_rank", _OPT_INT), ("job", _OPT_STR),
+    ("master", _OPT_STR), ("restart", _OPT_INT))
+_HAZARD = (("kind", _STR), ("seq", _INT), ("path", _STR), ("shared", _STR), ("wall", _NUM))
+_HAZARD_OPTIONAL = _WRITE_OPTIONAL
+_JOBSCOPE = (("state", _STR), ("wall", _NUM))
+_JOBSCOPE_OPTIONAL = (("reason", _OPT_STR), ("rank", _OPT_INT), ("job", _OPT_STR),
+                      ("master", _OPT_STR), ("restart", _OPT_INT))
+
+
+def _bounded_text(event: dict, names) -> None:
+    for name in names:
+        value = event.get(name)
+        if type(value) is str and len(value) > MAX_TEXT:
+            raise EventError(REJECT_INCOMPLETE, f"field {name!r} longer than {MAX_TEXT}")
+
+
+def _validate_job_scope(event: dict, kind: str) -> dict:
+    """remote / hazard / jobscope: every field typed, every string and list bounded."""
+    if kind == "jobscope":
+        _check(event, _JOBSCOPE, required=True)
+        _check(event, _JOBSCOPE_OPTIONAL, required=False)
+        if event["state"] not in JOBSCOPE_STATES:
+            raise EventError(REJECT_INCOMPLETE, f"unknown job-scope state {event['state']!r}")
+        _bounded_text(event, ("node", "reason", "job", "master"))
+        return event
+    if kind == "hazard":
+        _check(event, _HAZARD, required=True)
+        _check(event, _HAZARD_OPTIONAL, required=False)
+        if event["kind"] not in HAZARD_KINDS:
+            raise EventError(REJECT_INCOMPLETE, f"unknown hazard kind {event['kind']!r}")
+        for name, item_type in (("ranks", int), ("nodes", str)):
+            items = event.get(name, [])
+            if (type(items) is not list or len(items) > MAX_LIST
+                    or any(type(i) is not item_type for i in items)):
+                raise EventError(REJECT_INCOMPLETE, f"field {name!r} must be a list of at most "
+                                 f"{MAX_LIST} {item_type.__name__}")
+            if item_type is str and any(len(i) > MAX_TEXT for i in items):
+                raise EventError(REJECT_INCOMPLETE, f"an item of {name!r} is too long")
+        _bounded_text(event, ("node", "path", "shared", "job", "master", "site", "func"))
+    else:
+        _check(event, _REMOTE, required=True)
+        _check(event, _REMOTE_OPTIONAL, required=False)
+        writer = event.get("writer")
+        if type(writer) is not dict or len(writer) > 32:
+            raise EventError(REJECT_INCOMPLETE, "field 'writer' must be an object")
+        _check(writer, _REMOTE_WRITER, required=True)
+        _check(writer, _REMOTE_WRITER_OPTIONAL, required=False)
+        if writer["pid"] <= 0:
+            raise EventError(REJECT_INCOMPLETE, "writer pid must be positive")
+        if writer["node"] == event["node"]:
+            raise EventError(REJECT_INCOMPLETE, "a remote writer is on another node")
+        if not all(map(math.isfinite, (event["start_wall"], event["end_wall"],
+                                        event["start_mono"], event["end_mono"]))):
+            raise EventError(REJECT_INCOMPLETE, "remote times must be finite")
+        if not event["start_mono"] <= event["end_mono"]:
+            raise EventError(REJECT_INCOMPLETE, "remote interval ends before it starts")
+        _bounded_text(event, ("node", "path", "outcome", "site", "func", "shared"))
+        _bounded_text(writer, ("node", "job", "master"))
+    if event["path"][:1] != "/":
+        raise EventError(REJECT_INCOMPLETE, "path must be absolute")
     return event
 
 

@@ -175,6 +175,7 @@ def install() -> bool:
             setattr(module, attr, wrapper)
             patched = True
         was_active, _active = _active, True
+        _start_jobscope()
         return patched or not was_active
 
 
@@ -191,6 +192,21 @@ def uninstall() -> bool:
                 setattr(module, attr, getattr(current, MARKER))
                 restored = True
         return restored
+
+
+# ---- job scope (ckptwatch/jobscope.py): started at install in a distributed job; the save
+# path only appends to its queue, once at the start and once at the end of a save ------------
+
+_jobscope = None
+
+
+def _start_jobscope() -> None:
+    global _jobscope
+    try:
+        from ckptwatch import jobscope
+        _jobscope = jobscope.start_if_distributed(identity())
+    except Exception:
+        _counters["errors"] += 1
 
 
 # ---- the save path --------------------------------------------------------------------------
@@ -365,6 +381,8 @@ def _begin(args, kwargs):
         code, line = frame.f_code, frame.f_lineno
     pending = (identity(), next(_seq), path, code, line, time.time(), time.monotonic())
     (_emit or _bind_emit())((_start_frame, pending))
+    if _jobscope is not None:
+        _jobscope.started(pending)                       # job scope: a deque append
     _counters["reported"] += 1
     return pending, fileobj
 
@@ -386,7 +404,9 @@ def _finish(started, outcome: str) -> None:
                 size = None
             if not isinstance(size, int):
                 size = None
-        (_emit or _bind_emit())(
-            (_end_frame, pending, time.time(), time.monotonic(), size, outcome))
+        wall, mono = time.time(), time.monotonic()
+        (_emit or _bind_emit())((_end_frame, pending, wall, mono, size, outcome))
+        if _jobscope is not None:
+            _jobscope.ended(pending, wall, mono, outcome)   # job scope: a deque append
     except Exception:
         _counters["errors"] += 1

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 
-from monitor.detect.model import (FINDING_SIZE_FLUCTUATION, FINDING_TORN_READ,
+from monitor.detect.model import (FINDING_HAZARD, FINDING_SIZE_FLUCTUATION, FINDING_TORN_READ,
                                   FINDING_VERIFICATION, KIND_CONCURRENT, Collision, Finding,
                                   Write, Writer)
 
@@ -73,6 +73,11 @@ def collision_message(c: Collision) -> str:
         parts.append(f"job {clean(c.job_label)}")
     if c.scope != "node":
         parts.append(f"scope {clean(c.scope)}")
+        reporters = sorted({w.reporter for w in c.writes if w.reporter is not None})
+        if reporters:
+            # Other nodes' writes are the word of the local processes that learnt them.
+            parts.append("other nodes' writes reported by pid "
+                         + ", ".join(str(p) for p in reporters[:MAX_WRITERS_LISTED]))
     if c.id:
         parts.append(f"id {clean(c.id)}")
     return "; ".join(parts)
@@ -106,7 +111,36 @@ def finding_message(f: Finding) -> str | None:
             if f.get("collision_id") else ""
         return (f"corrupt checkpoint {path}: {clean(f.get('reason'))} "
                 f"[{clean(f.get('cause'))}]{by}")
+    if f.kind == FINDING_HAZARD:
+        return hazard_message(f)
     return f"{clean(f.kind)} on {path}"
+
+
+HAZARD_TEXT = {
+    "local_rank_guard": "local rank 0 of a node other than the first saves a shared path "
+                        "that names neither its rank nor its node (a `local_rank == 0` guard: "
+                        "every node's local rank 0 writes it)",
+    "shared_storage_multi_writer": "several ranks write this path on shared storage",
+}
+
+
+def hazard_message(f: Finding) -> str:
+    """e.g. hazard local_rank_guard on /ckpt/last.pt (shared: mount:nfs4): ...; by rank2@n2
+    (pid 11) at train.py:42; ranks 0, 2; job j1"""
+    writer = f.writers[0] if f.writers else {}
+    who = (f"rank{writer.get('rank')}@{clean(writer.get('node'))}(pid {writer.get('pid')})"
+           if writer.get("rank") is not None else f"pid {writer.get('pid')}")
+    kind = f.get("hazard") or "?"
+    text = (f"hazard {clean(kind)} on {clean(f.path)} (shared: {clean(f.get('shared'))}): "
+            f"{HAZARD_TEXT.get(kind, clean(kind))}; by {who}")
+    if writer.get("site"):
+        text += f" at {clean(writer['site'])}"
+    ranks = f.get("ranks") or []
+    if ranks:
+        text += "; ranks " + ", ".join(str(r) for r in ranks[:MAX_WRITERS_LISTED])
+    if f.job:
+        text += f"; job {clean(f.job)}"
+    return text
 
 
 class LogExporter:

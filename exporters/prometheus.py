@@ -43,8 +43,8 @@ from exporters.labels import OVERFLOW, LabelLimits, LabelValues, clean
 from monitor.detect.detector import REFUSE_REASONS as START_REFUSE_REASONS
 from monitor.ingest import EVICT_REASONS, REFUSE_REASONS
 from monitor.verify.integrity import CAUSES as CORRUPT_CAUSES
-from monitor.detect.model import (FINDING_VERIFICATION, SOURCE_FS, SOURCE_HOOK, Collision,
-                                  Finding, Write)
+from monitor.detect.model import (FINDING_HAZARD, FINDING_VERIFICATION, SOURCE_FS,
+                                  SOURCE_HOOK, Collision, Finding, Write)
 from monitor.verify.worker import RESULTS as VERIFY_RESULTS
 from ckptwatch.version import __version__
 from exporters.webconfig import BasicAuth, WebConfig
@@ -102,6 +102,10 @@ class MetricsSnapshot:
     jobs_expired: int = 0                                           # jobs idle past expiry
     starts_refused: Mapping[str, int] = field(default_factory=dict)  # reason -> starts refused
     loop_lag: float = 0.0                  # seconds the oldest queued event has waited
+    hazards: Mapping[tuple[str, str], int] = field(default_factory=dict)     # (job, kind) -> n
+    job_scope: Mapping[tuple[str, str], int] = field(default_factory=dict)   # (job, state) -> n
+    remote_writes: int = 0                                          # remote writes received
+    remote_rejected: Mapping[str, int] = field(default_factory=dict)  # reason -> remote writes
 
 
 def _format_bound(bound: float) -> str:
@@ -113,7 +117,7 @@ class _JobSeries:
     """Every per-job series of one training_job label value, so expiring a job is one delete."""
 
     __slots__ = ("writes", "errors", "bytes", "duration_counts", "duration_sum", "collisions",
-                 "last_collision", "fluctuations", "torn_reads")
+                 "last_collision", "fluctuations", "torn_reads", "hazards", "job_scope")
 
     def __init__(self):
         self.writes: dict[str, int] = {}                 # rank label value -> finished writes
@@ -127,6 +131,8 @@ class _JobSeries:
         self.last_collision: dict[tuple[str, str], float] = {}
         self.fluctuations = 0
         self.torn_reads = 0
+        self.hazards: dict[str, int] = {}                 # hazard kind -> n
+        self.job_scope: dict[str, int] = {}               # job-scope state -> reports
 
 
 class MetricsState:
@@ -178,6 +184,8 @@ class MetricsState:
         self._corrupt: dict[str, int] = {c: 0 for c in CORRUPT_CAUSES}
         self._starts_refused: dict[str, int] = {r: 0 for r in START_REFUSE_REASONS}
         self._loop_lag = 0.0
+        self._remote_writes = 0
+        self._remote_rejected: dict[str, int] = {}
 
     # -- bounded label values (call with the lock held) ------------------------------------
 
@@ -296,6 +304,25 @@ class MetricsState:
             else:
                 series.torn_reads += 1
 
+    def hazard(self, job: str, kind: str) -> None:
+        """A hazard (ckptwatch.events.HAZARD_KINDS: a bounded label set) for a job."""
+        with self._lock:
+            series = self._series(self._job_label(job, self._clock()))
+            series.hazards[kind] = series.hazards.get(kind, 0) + 1
+
+    def job_scope(self, job: str, state: str) -> None:
+        """A process reported its job-scope state (ckptwatch.events.JOBSCOPE_STATES)."""
+        with self._lock:
+            series = self._series(self._job_label(job, self._clock()))
+            series.job_scope[state] = series.job_scope.get(state, 0) + 1
+
+    def set_remote_stats(self, received: int, rejected: Mapping[str, int]) -> None:
+        """Remote writes (job scope) received, and those the detector did not take, by
+        reason (monitor.detect.detector.REMOTE_REJECT_REASONS)."""
+        with self._lock:
+            self._remote_writes = int(received)
+            self._remote_rejected = dict(rejected)
+
     def set_fs_stats(self, stats: dict) -> None:
         """The filesystem source's counters (monitor.fs.source.FsSource.stats())."""
         with self._lock:
@@ -344,7 +371,12 @@ class MetricsState:
             self._expire(self._clock())
             writes, errors, nbytes, histograms = {}, {}, {}, {}
             collisions, last_collision, fluctuations, torn_reads = {}, {}, {}, {}
+            hazards, job_scope = {}, {}
             for job, series in self._jobs.items():
+                for kind, n in series.hazards.items():
+                    hazards[(job, kind)] = n
+                for state, n in series.job_scope.items():
+                    job_scope[(job, state)] = n
                 for rank, n in series.writes.items():
                     writes[(job, rank)] = n
                 if series.errors:
@@ -391,6 +423,10 @@ class MetricsState:
                 jobs_expired=self._jobs_expired,
                 starts_refused=MappingProxyType(dict(self._starts_refused)),
                 loop_lag=self._loop_lag,
+                hazards=MappingProxyType(hazards),
+                job_scope=MappingProxyType(job_scope),
+                remote_writes=self._remote_writes,
+                remote_rejected=MappingProxyType(dict(self._remote_rejected)),
             )
 
     def _histogram(self, series: _JobSeries) -> Histogram:
@@ -451,6 +487,29 @@ class CkptwatchCollector:
                       "it (the filesystem may have too), fs when only the "
                       "filesystem watcher did.",
                       ["training_job", "kind", "scope", "source"], s.collisions)
+
+        yield _family(CounterMetricFamily, "ckptwatch_hazards",
+                      "Saves that will collide sooner or later, reported before they do: "
+                      "kind local_rank_guard (local rank 0 of a node other than the first "
+                      "writes a shared path that names neither its rank nor its node) or "
+                      "shared_storage_multi_writer (several ranks write one path on shared "
+                      "storage).",
+                      ["training_job", "kind"], s.hazards)
+
+        yield _family(CounterMetricFamily, "ckptwatch_job_scope_reports",
+                      "Job-scope state reports from instrumented processes: active (the "
+                      "process reached its job's store; cross-node collisions are seen) or "
+                      "disabled (store unreachable or failing; node scope only).",
+                      ["training_job", "state"], s.job_scope)
+
+        yield CounterMetricFamily("ckptwatch_remote_writes",
+                                  "Writes of other nodes reported by local processes' job "
+                                  "scope (each report of a write, before deduplication).",
+                                  value=s.remote_writes)
+        yield _family(CounterMetricFamily, "ckptwatch_remote_writes_rejected",
+                      "Remote write reports the detector did not take: unanchored (the "
+                      "reporter has no write of that path here), path_full, held_full.",
+                      ["reason"], s.remote_rejected)
 
         yield _family(GaugeMetricFamily, "ckptwatch_last_collision_timestamp_seconds",
                       "Unix time of the latest collision of a job, by kind and scope.",
@@ -1008,6 +1067,8 @@ class MetricsExporter:
     def publish_finding(self, finding: Finding) -> None:
         if finding.kind == FINDING_VERIFICATION:
             self.state.verification(finding.get("result"), finding.get("cause") or "")
+        elif finding.kind == FINDING_HAZARD:
+            self.state.hazard(finding.job, finding.get("hazard"))
         else:
             self.state.finding(finding.kind, finding.job)
 

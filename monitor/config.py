@@ -55,6 +55,7 @@ class Config:
     journal_backups: int = 5
     collision_window: float = 60.0
     collision_settle: float = 1.0
+    collision_job_settle: float = 3.0
     collision_stale_after: float = 3600.0
     collision_max_paths: int = 10000
     collision_max_hold: float = 3.0
@@ -253,6 +254,9 @@ OPTIONS = (
            "a redundant write"),
     Option("collision.settle", "collision_settle", _number(float, 0),
            "seconds without a new overlapping write before a collision is final and reported"),
+    Option("collision.job-settle", "collision_job_settle", _number(float, 0),
+           "settle for writers of a distributed job: their other nodes' writes arrive "
+           "through job scope, later than local ones"),
     Option("collision.stale-after", "collision_stale_after", _number(float, 0, strict=True),
            "seconds after which a write that never ended is given up as lost"),
     Option("collision.max-paths", "collision_max_paths", _number(int, 1),

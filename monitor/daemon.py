@@ -30,9 +30,11 @@ from monitor.config import Config
 from monitor.detect.detector import Detector
 from monitor.detect.merge import SourceMerger
 from monitor.detect.model import SOURCE_FS, Collision, Finding, Write
+from monitor.jobscope import JobScopeEvents
 from monitor.detect.sizes import SizeHistory
 from monitor.fs.source import FILE_CHANGED, FILE_CLOSED, FileNotice, FsSource
 from monitor.ingest import SENDER, IngestError, IngestServer
+from ckptwatch.events import JOB_SCOPE_TYPES
 from monitor.verify.worker import Verification, Verifier, VerifySchedule
 
 log = logging.getLogger("ckptwatch.agent")
@@ -214,6 +216,7 @@ class Agent:
         self.fs_inbox = fs_inbox if fs_inbox is not None else queue.SimpleQueue()
         self._stopping = False
         self.journal: Journal | None = None
+        self.job_scope = JobScopeEvents()
 
     @classmethod
     def build(cls, config: Config) -> "Agent":
@@ -229,7 +232,8 @@ class Agent:
         detector = Detector(window=config.collision_window, settle=config.collision_settle,
                             stale_after=config.collision_stale_after,
                             max_paths=config.collision_max_paths, pid_alive=pid_alive,
-                            max_hold=config.collision_max_hold)
+                            max_hold=config.collision_max_hold,
+                            job_settle=config.collision_job_settle)
         sizes = SizeHistory(config.collision_window, config.size_tolerance,
                             config.collision_max_paths)
         merger = fs = None
@@ -361,6 +365,9 @@ class Agent:
             if kind == "dropped":
                 self.state.client_dropped(event["count"])
                 continue
+            if kind in JOB_SCOPE_TYPES:
+                self.job_scope_event(event)
+                continue
             if kind == "start":
                 if not self._stopping:
                     self.checks.write_started(event["path"], event.get(SENDER))
@@ -369,6 +376,25 @@ class Agent:
             if merger is not None:
                 merger.hook_event(event)
             self.observe(event)
+
+    def job_scope_event(self, event: dict) -> None:
+        """remote / hazard / jobscope events (monitor.jobscope)."""
+        kind = event["type"]
+        if kind == "remote":
+            self.job_scope.remote_received += 1
+            try:
+                items = self.detector.observe_remote(event)
+            except Exception:
+                log.exception("detector failed on a remote write for %r", event.get("path"))
+                return
+            self.publish(items)
+        elif kind == "hazard":
+            finding = self.job_scope.hazard(event)
+            if finding is not None:
+                self.exporters.publish_finding(finding)
+        else:
+            self.state.job_scope(event.get("job") or "", event["state"])
+            self.job_scope.state_reported(event)
 
     def observe(self, event: dict) -> None:
         try:
@@ -422,6 +448,8 @@ class Agent:
         self.state.set_loop_lag(self.inbox.oldest_wait())
         self.state.set_ingest_connections(self.ingest.connections)
         self.state.set_ingest_limits(self.ingest.refused, self.ingest.evicted)
+        self.state.set_remote_stats(self.job_scope.remote_received,
+                                    self.detector.remote_rejected)
         if self.fs is not None:
             self.state.set_fs_stats(self.fs.stats())
         self.exporters.flush()

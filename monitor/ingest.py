@@ -82,9 +82,17 @@ def namespace_pid(pid: int, proc_root: str = "/proc") -> int | None:
     return None
 
 
+# Job-scope events ("remote", "hazard", "jobscope": ckptwatch/events.py) speak about other
+# processes and cannot be checked, so each connection may send only so many: a token bucket
+# of JOB_SCOPE_BURST refilled at JOB_SCOPE_RATE per second; the rest are rejected as
+# "rate_limited". A hook reports at most ~64 remote writes per save of its own.
+JOB_SCOPE_RATE = 64.0
+JOB_SCOPE_BURST = 512.0
+
+
 class _Conn:
     __slots__ = ("sock", "pid", "uid", "ns_pid", "sender", "reader", "last_active",
-                 "partial_since")
+                 "partial_since", "tokens", "tokens_at")
 
     def __init__(self, sock: socket.socket, pid: int, uid: int, gid: int, now: float):
         self.sock = sock
@@ -99,6 +107,16 @@ class _Conn:
         self.reader = events.FrameReader()
         self.last_active = now               # monotonic time of the last bytes received
         self.partial_since: float | None = None  # when the unfinished frame buffered began
+        self.tokens = JOB_SCOPE_BURST            # job-scope events this connection may send
+        self.tokens_at = now
+
+    def take_token(self, now: float) -> bool:
+        self.tokens = min(JOB_SCOPE_BURST, self.tokens + (now - self.tokens_at) * JOB_SCOPE_RATE)
+        self.tokens_at = now
+        if self.tokens < 1.0:
+            return False
+        self.tokens -= 1.0
+        return True
 
 
 REFUSE_REASONS = ("pid_limit", "uid_limit")          # a new connection closed at once
@@ -502,6 +520,9 @@ class IngestServer:
                     self._reject(events.REJECT_PID_MISMATCH)
                     continue
                 event["pid"] = conn.pid  # the node-unique, agent-visible pid (see module doc)
+            if event["type"] in events.JOB_SCOPE_TYPES and not conn.take_token(self._clock()):
+                self._reject(events.REJECT_RATE_LIMITED)
+                continue
             if "source" in event:
                 del event["source"]     # the socket speaks for the hook only: no claiming "fs"
             event[SENDER] = conn.sender

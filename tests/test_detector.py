@@ -632,3 +632,124 @@ def test_open_writes_are_capped_per_path_and_the_excess_ends_still_count():
     # A refused start's end still reports its write (it stands alone).
     out = det.observe(end(100 + writers - 1, 0, 1.0, 0.0))
     assert [w.writer.pid for w in writes(out)] == [100 + writers - 1]
+
+# ---- job scope: remote writes (Detector.observe_remote) ---------------------------------------
+
+def remote(reporter_pid, reporter_seq, wpid, wseq, s_mono, e_mono, node="n1", wnode="n2",
+           rank=2, path=PATH, job="j1", master="10.0.0.1:29500"):
+    return {"v": 1, "type": "remote", "node": node, "pid": reporter_pid, "seq": reporter_seq,
+            "path": path, "wall": WALL0 + e_mono,
+            "writer": {"node": wnode, "pid": wpid, "rank": rank, "local_rank": 0,
+                       "world_size": 4, "job": job, "master": master, "restart": 0},
+            "wseq": wseq, "start_wall": WALL0 + s_mono, "end_wall": WALL0 + e_mono,
+            "start_mono": s_mono, "end_mono": e_mono, "bytes": 10, "outcome": "ok",
+            "site": "train.py:42", "func": "save_checkpoint", "overlap": True, "shared": None}
+
+
+def dist_start(pid, seq, mono, **kw):
+    ev = start(pid, seq, mono, master="10.0.0.1:29500", **kw)
+    ev["world_size"] = 4
+    return ev
+
+
+def dist_end(pid, seq, mono, start_mono, **kw):
+    ev = end(pid, seq, mono, start_mono, master="10.0.0.1:29500", **kw)
+    ev["world_size"] = 4
+    return ev
+
+
+def test_remote_write_overlapping_a_local_one_is_a_job_scope_collision():
+    clock = FakeClock(0.0)
+    det = make(clock, settle=0.5, job_settle=2.0)
+    out = feed(det, clock, [(0.0, dist_start(11, 1, 0.0, rank=0)),
+                            (1.0, dist_end(11, 1, 1.0, 0.0, rank=0))])
+    clock.now = 1.2
+    got = det.observe_remote(remote(11, 1, 99, 7, 0.5, 1.5))
+    assert not [i for i in got if isinstance(i, Write)]      # never a write of this node
+    for t in (1.6, 2.5, 3.4, 3.6):
+        clock.now = t
+        out += det.tick()
+    found = collisions(out)
+    assert len(found) == 1
+    c = found[0]
+    assert c.kind == KIND_CONCURRENT and c.scope == "job" and "job" in c.sources
+    assert {(w.writer.node, w.writer.pid) for w in c.writes} == {("n1", 11), ("n2", 99)}
+    remote_write = [w for w in c.writes if w.source == "job"][0]
+    assert remote_write.reporter == 11 and c.to_record()["writers"][1]["reported_by"] == 11
+    # The id depends on the run, the path and the writes only: the other agent, which holds
+    # the same two writes the other way round, derives the same.
+    from monitor.detect.detector import job_collision_id
+    assert c.id == job_collision_id(sorted(map(repr, {w.writer.run_key for w in c.writes})),
+                                    PATH, tuple(reversed(c.writes)))
+
+
+def test_remote_writes_need_the_reporters_own_write_of_the_path():
+    clock = FakeClock(0.0)
+    det = make(clock)
+    assert det.observe_remote(remote(11, 1, 99, 7, 0.5, 1.5)) == []
+    assert det.remote_rejected["unanchored"] == 1 and det.tracked_paths == 0
+    feed(det, clock, [(0.0, dist_start(11, 1, 0.0)), (1.0, dist_end(11, 1, 1.0, 0.0))])
+    # another process's write is no anchor, nor another seq of the reporter
+    assert det.observe_remote(remote(12, 1, 99, 7, 0.5, 1.5)) == []
+    assert det.observe_remote(remote(11, 2, 99, 7, 0.5, 1.5)) == []
+    assert det.remote_rejected["unanchored"] == 3
+
+
+def test_a_remote_write_reported_many_times_counts_once_and_a_path_holds_few():
+    from monitor.detect.detector import MAX_REMOTE_PER_PATH
+    clock = FakeClock(0.0)
+    det = make(clock, settle=0.5, job_settle=1.0)
+    feed(det, clock, [(0.0, dist_start(11, 1, 0.0)), (1.0, dist_end(11, 1, 1.0, 0.0))])
+    for _ in range(5):
+        det.observe_remote(remote(11, 1, 99, 7, 0.5, 1.5))
+    for i in range(MAX_REMOTE_PER_PATH + 50):
+        det.observe_remote(remote(11, 1, 1000 + i, 1, 0.2, 0.8))
+    assert det.remote_rejected["path_full"] == 51
+    out = []
+    for t in (2.0, 3.0, 4.0):
+        clock.now = t
+        out += det.tick()
+    c = collisions(out)[0]
+    assert len([w for w in c.writes if w.writer.pid == 99]) == 1
+    assert len(c.writes) == 1 + MAX_REMOTE_PER_PATH
+
+
+def test_a_node_collision_also_seen_in_the_job_is_reported_once_as_job_scope():
+    clock = FakeClock(0.0)
+    det = make(clock, settle=0.5, job_settle=2.0)
+    out = feed(det, clock, [(0.0, dist_start(11, 1, 0.0, rank=0)),
+                            (0.1, dist_start(12, 1, 0.1, rank=1)),
+                            (1.0, dist_end(11, 1, 1.0, 0.0, rank=0)),
+                            (1.1, dist_end(12, 1, 1.1, 0.1, rank=1))])
+    clock.now = 2.0                  # past settle, within job settle: the remote still joins
+    out += det.tick()
+    assert collisions(out) == []
+    det.observe_remote(remote(11, 1, 99, 7, 0.5, 1.5, rank=2))
+    det.observe_remote(remote(12, 1, 99, 7, 0.5, 1.5, rank=2))     # the same write, twice
+    for t in (3.0, 4.0):
+        clock.now = t
+        out += det.tick()
+    found = collisions(out)
+    assert len(found) == 1 and found[0].scope == "job"
+    assert sorted(w.writer.rank for w in found[0].writes) == [0, 1, 2]
+
+
+def test_single_node_distributed_jobs_keep_the_short_settle():
+    clock = FakeClock(0.0)
+    det = make(clock, settle=0.5, job_settle=5.0)
+    evs = [dist_start(11, 1, 0.0), dist_start(12, 1, 0.1), dist_end(11, 1, 1.0, 0.0),
+           dist_end(12, 1, 1.1, 0.1)]
+    for ev in evs:
+        ev["local_world_size"] = 4          # world_size 4: every rank on this node
+    out = feed(det, clock, [(0.0, evs[0]), (0.1, evs[1]), (1.0, evs[2]), (1.1, evs[3]),
+                            (1.7, start(13, 1, 1.7, path="/other"))])
+    assert len(collisions(out)) == 1
+
+
+def test_node_only_jobs_keep_the_short_settle():
+    clock = FakeClock(0.0)
+    det = make(clock, settle=0.5, job_settle=5.0)
+    out = feed(det, clock, [(0.0, start(11, 1, 0.0)), (0.1, start(12, 1, 0.1)),
+                            (1.0, end(11, 1, 1.0, 0.0)), (1.1, end(12, 1, 1.1, 0.1)),
+                            (1.7, start(13, 1, 1.7, path="/other"))])
+    assert len(collisions(out)) == 1 and collisions(out)[0].scope == "node"

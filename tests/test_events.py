@@ -132,7 +132,7 @@ def test_truncated_and_pid_mismatch_are_stream_level_reasons():
     # "pid_mismatch" a peer-credential check in the agent. Both are part of the label set.
     assert set(events.REJECT_REASONS) == {
         "malformed", "oversized", "unknown_version", "incomplete", "truncated",
-        "pid_mismatch"}
+        "pid_mismatch", "rate_limited"}
     reader = FrameReader()
     assert reader.feed(encode(start())[:7]) == []
     assert reader.pending() is True
@@ -206,7 +206,7 @@ def test_frame_reader_default_limit_is_the_contract_limit():
 
 def test_there_are_golden_fixtures():
     kinds = {json.load(open(p))["type"] for p in VALID}
-    assert kinds == {"start", "end", "dropped"}
+    assert kinds == {"start", "end", "dropped", "remote", "hazard", "jobscope"}
     assert INVALID
 
 

@@ -233,3 +233,30 @@ def test_real_agent_one_process_holding_1024_connections_cannot_blind_it(tmp_pat
         finally:
             for s in held:
                 s.close()
+
+
+def hazard_event(pid, i):
+    return {"v": 1, "type": "hazard", "kind": "local_rank_guard", "node": "n1", "pid": pid,
+            "seq": i, "path": f"/ckpt/{i}.pt", "shared": "mount:nfs4", "wall": time.time()}
+
+
+def test_job_scope_events_are_rate_limited_per_connection_writes_are_not(make_server):
+    """A local process may say anything about other nodes (remote, hazard, jobscope events
+    cannot be checked): it may say only so much. Its own start events still all get in."""
+    from monitor.ingest import JOB_SCOPE_BURST
+    from ckptwatch import events
+    srv = make_server()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect(srv.path)
+    flood = 4 * int(JOB_SCOPE_BURST)
+    frames = b"".join(events.encode(hazard_event(os.getpid(), i)) for i in range(flood))
+    frames += b"".join(events.encode(start_event(os.getpid(), seq)) for seq in range(1, 101))
+    sock.sendall(frames)
+    wait_for(lambda: len(srv.rec.events) + len(srv.rec.rejects) >= flood + 100, timeout=20)
+    sock.close()
+    hazards = [e for e in srv.rec.events if e["type"] == "hazard"]
+    starts = [e for e in srv.rec.events if e["type"] == "start"]
+    assert len(starts) == 100
+    # The burst, plus what the refill allowed while the frames were read (well under a second).
+    assert JOB_SCOPE_BURST <= len(hazards) < JOB_SCOPE_BURST + 200
+    assert srv.rec.rejects.count("rate_limited") == flood - len(hazards)

@@ -115,7 +115,7 @@ def test_no_collisions_prints_a_summary(tmp_path):
     assert out.replace("\n  ", " ") == f"no collisions in 4 writes recorded in {journal}\n"
     assert all(len(line) <= 80 for line in out.splitlines())
     code, out, _ = report(["--journal", str(journal), "--format", "json"])
-    assert json.loads(out) == {"collisions": []}
+    assert json.loads(out) == {"collisions": [], "hazards": []}
 
 
 def test_missing_or_unusable_journal_exits_2(tmp_path):

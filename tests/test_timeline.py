@@ -143,8 +143,8 @@ def test_hover_text_collision_findings_verdicts_and_unknown_records(incident_pag
     assert "finished sizes differ: 3,370,000,000 bytes then 3,369,995,904 bytes" in text
     assert "record last/data.pkl: the CRC written after its data differs" in text
     assert "CORRUPT: torn" in text
-    # the hazard record (a type this report does not know) is shown generically
-    [other] = [t for t in page.find("table", "others")]
+    # the hazard record (job scope) has a table of its own
+    [hazards] = [t for t in page.find("table", "hazards")]
     assert "hazard=shared_path_no_guard" in text and "ranks=4" in text
     assert "2 collisions on 2 paths" in text and "llama-7b-0412" in text
     assert "7 on 3 paths, by 4 processes" in text

@@ -3,6 +3,11 @@
 Reads the agent's journal (exporters/journal.py), rebuilds the collisions (monitor/detect/model.py)
 and renders them for an 80-column terminal (table) or for tools (json). The CLI wires it in
 with add_arguments(parser) and run(args).
+
+Several journals (`--journal A --journal B`, or a directory holding several nodes' *.jsonl)
+merge into one picture per job: a job-scope collision recorded by every involved node's agent
+carries the same id on each (derived from the job run, the path and the writes), so it is
+shown once; a hazard is shown once per (job, path, kind).
 """
 from __future__ import annotations
 
@@ -17,7 +22,7 @@ from dataclasses import dataclass, field
 from exporters.journal import (SYSTEM_JOURNAL_PATH, ReadStats, default_journal_path,
                                read_records)
 from exporters.logline import call_sites, clean
-from monitor.detect.model import KIND_CONCURRENT, Collision, Write
+from monitor.detect.model import FINDING_HAZARD, KIND_CONCURRENT, Collision, Write
 
 EXIT_OK = 0
 EXIT_NO_JOURNAL = 2
@@ -51,6 +56,7 @@ class JournalSummary:
     version does not know (each list bounded, newest kept; `dropped` counts the rest)."""
 
     collisions: list = field(default_factory=list)
+    hazards: list = field(default_factory=list)      # hazard records, deduplicated
     writes: int = 0
     malformed: int = 0          # lines or records that could not be read
     files: int = 0
@@ -126,19 +132,29 @@ def checked_write(rec: dict) -> Write:
     return w
 
 
-def summarize(journal_path: str, summary: JournalSummary | None = None,
-              details: bool = True) -> JournalSummary:
-    """Read a journal (rotated files too), adding to `summary` when given (several journals:
-    call once per journal). details=False keeps only the collisions and counts (the table and
-    JSON need no more; keeping 100,000 writes costs ~100 MB). Raises OSError if it exists but
+def summarize(journal_path, summary: JournalSummary | None = None, details: bool = True,
+              seen: set | None = None) -> JournalSummary:
+    """Read a journal (rotated files too), or a list of journals (several nodes') merged into
+    one summary: a collision several agents recorded (same id) and a hazard several reported
+    are kept once. details=False keeps only the collisions, hazards and counts (the table and
+    JSON need no more; keeping 100,000 writes costs ~100 MB). Raises OSError if one exists but
     cannot be read."""
+    if not isinstance(journal_path, str):
+        summary, seen = JournalSummary(), set()
+        for path in journal_path:
+            summarize(path, summary, details, seen)
+        summary.collisions.sort(key=lambda c: c.first.start_wall)
+        return summary
     stats = ReadStats()
     summary = summary if summary is not None else JournalSummary()
     summary.journals.append(journal_path)
-    seen = {(c.id, c.kind, c.scope) for c in summary.collisions if c.id}
+    if seen is None:
+        seen = {(c.id, c.kind, c.scope) for c in summary.collisions if c.id}
     for record in read_records(journal_path, stats):
         kind = record.get("type")
         if kind == "write":
+            if record.get("source") == "job":
+                continue          # another node's write: counted in that node's journal
             summary.writes += 1
             if not details:
                 continue
@@ -146,6 +162,14 @@ def summarize(journal_path: str, summary: JournalSummary | None = None,
                 summary._keep_write(checked_write(record))
             except (KeyError, TypeError, ValueError, AttributeError):
                 summary.malformed += 1
+        elif kind == FINDING_HAZARD:
+            key = ("hazard", repr(record.get("job"))[:200], record.get("path"),
+                   repr(record.get("hazard"))[:200])      # hashable whatever the journal holds
+            if not isinstance(record.get("path"), str):
+                summary.malformed += 1
+            elif key not in seen:
+                seen.add(key)
+                summary.hazards.append(record)
         elif kind == "collision":
             try:
                 collision = Collision.from_record(record)
@@ -338,14 +362,21 @@ def render_collision(c: Collision, width: int = 80) -> list:
 
 
 def render_table(collisions: list, width: int = 80) -> str:
-    """Every path with collisions, its collisions oldest first; every line <= width."""
-    by_path: dict[str, list] = {}
-    for c in sorted(collisions, key=lambda c: c.first.start_wall):
-        by_path.setdefault(c.path, []).append(c)
+    """Every path with collisions, its collisions oldest first; every line <= width. With
+    several jobs, one section per job (headed "== job <id> =="), each path in it."""
+    by_path: dict[tuple, list] = {}
+    ordered = sorted(collisions, key=lambda c: c.first.start_wall)
+    several_jobs = len({c.job_label for c in ordered}) > 1
+    for c in sorted(ordered, key=lambda c: c.job_label) if several_jobs else ordered:
+        by_path.setdefault((c.job_label, c.path), []).append(c)
     lines = []
-    for path, group in by_path.items():
+    job_shown = None
+    for (job, path), group in by_path.items():
         if lines:
             lines.append("")
+        if several_jobs and job != job_shown:
+            job_shown = job
+            lines.append(keep_head(f"== job {job or '(unknown)'} ==", width))
         lines.append(keep_tail(path, width))
         for index, c in enumerate(group):
             if index:
@@ -355,10 +386,37 @@ def render_table(collisions: list, width: int = 80) -> str:
     return "\n".join(line if len(line) <= width else keep_head(line, width) for line in lines)
 
 
-def render_json(collisions: list) -> str:
-    """A JSON document {"collisions": [<journal collision record>, ...]}."""
-    return json.dumps({"collisions": [c.to_record() for c in collisions]}, indent=2,
-                      sort_keys=False)
+def render_json(collisions: list, hazards: list = ()) -> str:
+    """A JSON document {"collisions": [<journal collision record>, ...], "hazards": [<journal
+    hazard record>, ...]}."""
+    return json.dumps({"collisions": [c.to_record() for c in collisions],
+                       "hazards": list(hazards)}, indent=2, sort_keys=False)
+
+
+def render_hazards(hazards: list, width: int = 80) -> str:
+    """One block per hazard: the path, what is wrong, who, the fix."""
+    from exporters.logline import HAZARD_TEXT
+    lines = []
+    for h in hazards:
+        if lines:
+            lines.append("")
+        lines.append(keep_tail(str(h.get("path")), width))
+        kind = str(h.get("hazard"))
+        head = f"hazard {kind} (shared storage: {h.get('shared')})"
+        if h.get("job"):
+            head += f", job {h.get('job')}"
+        lines += _wrapped("", clean(head), width)
+        lines += _wrapped("", clean(HAZARD_TEXT.get(kind, kind)), width)
+        writer = (h.get("writers") or [{}])[0]
+        who = f"rank{writer.get('rank')}@{writer.get('node')} (pid {writer.get('pid')})"
+        if writer.get("site"):
+            who += f" at {writer.get('site')}"
+        lines += _wrapped("reported by: ", clean(who), width)
+        ranks = h.get("ranks") or []
+        if ranks:
+            lines += _wrapped("ranks writing it: ", ", ".join(str(r) for r in ranks), width)
+        lines += _wrapped("fix: ", GUARD_FIX + "; or " + OWN_PATH_FIX, width)
+    return "\n".join(line if len(line) <= width else keep_head(line, width) for line in lines)
 
 
 def summary_line(summary: JournalSummary, journal: str, width: int = 80) -> str:
@@ -392,9 +450,11 @@ def report_journal_path() -> str:
 
 def add_arguments(parser) -> None:
     """Add `ckptwatch report` options to an argparse parser."""
-    parser.add_argument("--journal", metavar="PATH", default=None,
+    parser.add_argument("--journal", metavar="PATH", default=None, action="append",
                         help="journal written by the agent (default: the agent's default, "
-                             f"{default_journal_path()})")
+                             f"{default_journal_path()}); repeat it, or name a directory of "
+                             "*.jsonl journals, to merge several nodes' journals into one "
+                             "report per job")
     parser.add_argument("--format", choices=("table", "json", "html"), default="table",
                         help="table for people (80 columns), json for tools, html for an "
                              "incident review (a self-contained timeline page)")
@@ -406,29 +466,41 @@ def run(args, out=None, err=None) -> int:
     """Print the report; 0 when produced (collisions or not), 2 without a readable journal."""
     out = out or sys.stdout
     err = err or sys.stderr
-    journal = getattr(args, "journal", None) or report_journal_path()
+    journals = getattr(args, "journal", None) or [report_journal_path()]
+    if isinstance(journals, str):
+        journals = [journals]
     fmt = getattr(args, "format", "table") or "table"
-    if not os.path.exists(journal) and not any(
-            os.path.exists(f"{journal}.{i}") for i in range(1, 4)):
-        print(f"ckptwatch report: no journal at {journal} (is the agent running with "
-              f"--journal.path? pass --journal PATH)", file=err)
-        return EXIT_NO_JOURNAL
-    if os.path.isdir(journal):
-        print(f"ckptwatch report: {journal} is a directory, not a journal file", file=err)
-        return EXIT_NO_JOURNAL
+    paths = []
+    for journal in journals:
+        if os.path.isdir(journal):
+            found = sorted(os.path.join(journal, name) for name in os.listdir(journal)
+                           if name.endswith(".jsonl"))
+            if not found:
+                print(f"ckptwatch report: no *.jsonl journal in directory {journal}", file=err)
+                return EXIT_NO_JOURNAL
+            paths += found
+            continue
+        if not os.path.exists(journal) and not any(
+                os.path.exists(f"{journal}.{i}") for i in range(1, 4)):
+            print(f"ckptwatch report: no journal at {journal} (is the agent running with "
+                  f"--journal.path? pass --journal PATH)", file=err)
+            return EXIT_NO_JOURNAL
+        paths.append(journal)
+    journal = paths[0] if len(paths) == 1 else f"{len(paths)} journals"
     try:
-        summary = summarize(journal, details=(fmt == "html"))
+        summary = summarize(paths[0] if len(paths) == 1 else paths, details=(fmt == "html"))
     except OSError as exc:
         print(f"ckptwatch report: cannot read journal {journal}: {exc.strerror or exc}",
               file=err)
         return EXIT_NO_JOURNAL
     if fmt == "json":
-        text = render_json(summary.collisions) + "\n"
+        text = render_json(summary.collisions, summary.hazards) + "\n"
     elif fmt == "html":
         from monitor.cli.timeline import render_html    # imports this module
         text = render_html(summary)
     else:
         text = (render_table(summary.collisions) + "\n\n" if summary.collisions else "") \
+            + (render_hazards(summary.hazards) + "\n\n" if summary.hazards else "") \
             + summary_line(summary, journal) + "\n"
     output = getattr(args, "output", None)
     if not output or output == "-":

@@ -554,6 +554,7 @@ def render_html(summary: JournalSummary, now: float | None = None) -> str:
                             f"{len(collisions) - n_conc} redundant)"),
              ("findings", f"{_plural(n_sizes, 'size fluctuation')}, "
                           f"{_plural(len(summary.findings) - n_sizes, 'torn read')}, "
+                          f"{_plural(len(summary.hazards), 'hazard')}, "
                           f"{len(summary.others)} other"),
              ("verdicts", f"{corrupt} corrupt, {len(summary.verdicts) - corrupt} unverifiable"),
              ("journal", ", ".join(f"<code>{_text(j, tail=True)}</code>"
@@ -597,6 +598,13 @@ def render_html(summary: JournalSummary, now: float | None = None) -> str:
                        "written by collision"],
                       _verdict_rows(verdicts[-MAX_TABLE_ROWS:]), len(verdicts), "verdicts")
                if verdicts else '<p class="none">none</p>')
+    hazards = list(summary.hazards)
+    if hazards:
+        out.append("<h2>Hazards</h2>")
+        out.append('<p class="sub">Saves that will collide under the right timing (job scope: '
+                   "a <code>local_rank == 0</code> guard, several ranks on shared storage).</p>")
+        out.append(_table(["when", "type", "path", "fields"],
+                          _other_rows(hazards[-MAX_TABLE_ROWS:]), len(hazards), "hazards"))
     others = list(summary.others)
     if others:
         out.append("<h2>Other findings</h2>")

@@ -54,8 +54,9 @@ from bisect import insort
 from collections import OrderedDict
 from typing import Callable
 
-from monitor.detect.model import (KIND_CONCURRENT, KIND_REDUNDANT, SCOPE_NODE, SOURCE_HOOK,
-                                  WRITER_FIELDS, Collision, Write, Writer)
+from monitor.detect.model import (KIND_CONCURRENT, KIND_REDUNDANT, SCOPE_JOB, SCOPE_NODE,
+                                  SOURCE_HOOK, SOURCE_JOB, WRITER_FIELDS, Collision, Write,
+                                  Writer)
 
 OUTCOME_LOST = "lost"
 # How often tick() looks at in-flight writes for dead processes and stale starts.
@@ -82,6 +83,13 @@ DEFAULT_MAX_HOLD = 3.0
 _INF = float("inf")
 # Shedding keeps MAX_PATH_WRITES // 2 writes, which must leave room for every open one.
 assert MAX_OPEN_PER_PATH < MAX_PATH_WRITES // 2
+# Job scope (observe_remote): remote writes held per path and in all, and how many remote
+# write keys are remembered so a write reported again (by every local rank that wrote the
+# path, or by later polls) counts once.
+MAX_REMOTE_PER_PATH = 64
+MAX_REMOTE_HELD = 8192
+_REMOTE_SEEN_CAP = 65536
+REMOTE_REJECT_REASONS = ("unanchored", "path_full", "held_full")
 
 
 class _Entry:
@@ -89,12 +97,13 @@ class _Entry:
 
     __slots__ = ("writer", "path", "seq", "start_wall", "start_mono", "end_wall", "end_mono",
                  "bytes", "outcome", "site", "func", "order", "seen_at", "done_at",
-                 "write", "dropped", "source", "seen_by", "reported")
+                 "write", "dropped", "source", "seen_by", "reported", "reporter")
 
     def __init__(self, writer: Writer, path: str, seq: int, start_wall: float,
                  start_mono: float, site, func, order: int, seen_at: float,
                  source: str = SOURCE_HOOK):
-        self.source = source            # who reported this write: "hook" or "fs"
+        self.source = source            # who reported this write: "hook", "fs" or "job"
+        self.reporter = None            # source "job": the local pid that reported it
         self.seen_by = {source}         # every source that saw it (see Detector.mark_source)
         self.writer = writer
         self.path = path
@@ -132,7 +141,8 @@ class _Entry:
         self.write = Write(writer=self.writer, path=self.path, seq=self.seq,
                            start_wall=self.start_wall, start_mono=self.start_mono,
                            end_wall=end_wall, end_mono=end_mono, bytes=nbytes, outcome=outcome,
-                           site=self.site, func=self.func, source=self.source)
+                           site=self.site, func=self.func, source=self.source,
+                           reporter=self.reporter)
         return self.write
 
     def in_flight_write(self) -> Write:
@@ -287,6 +297,15 @@ def collision_id(path: str, first_start_wall: float) -> str:
     return digest.hexdigest()[:16]
 
 
+def job_collision_id(run_key, path: str, writes) -> str:
+    """Id of a job-scope collision: the job run, the path and the set of writes (node, pid,
+    seq). Every agent that sees the same collision derives the same id from what it knows of
+    it, so `ckptwatch report` over several nodes' journals counts it once."""
+    keys = sorted((w.writer.node, w.writer.pid, w.seq) for w in writes)
+    text = f"{run_key!r}\0{path}\0{keys!r}"
+    return "j" + hashlib.sha1(text.encode("utf-8", "surrogatepass")).hexdigest()[:15]
+
+
 class Detector:
     """Turns start/end events into Writes and Collisions. See the module docstring."""
 
@@ -294,13 +313,21 @@ class Detector:
                  max_paths: int = 10000, clock: Callable[[], float] = time.monotonic,
                  wall_clock: Callable[[], float] = time.time,
                  pid_alive: Callable[[str, int], bool] | None = None,
-                 max_hold: float = DEFAULT_MAX_HOLD):
-        if window < 0 or settle < 0 or stale_after <= 0 or max_paths < 1 or max_hold < 0:
-            raise ValueError("window, settle and max_hold must be >= 0, stale_after > 0, "
-                             "max_paths >= 1")
+                 max_hold: float = DEFAULT_MAX_HOLD, job_settle: float = 3.0):
+        if (window < 0 or settle < 0 or stale_after <= 0 or max_paths < 1 or max_hold < 0
+                or job_settle < 0):
+            raise ValueError("window, settle, max_hold and job_settle must be >= 0, "
+                             "stale_after > 0, max_paths >= 1")
         self._max_hold = float(max_hold)
         self._window = float(window)
         self._settle = float(settle)
+        # A concurrent group with a writer of a distributed job waits this long (at least)
+        # before it is final: other nodes' writes of it arrive through the writers' job scope
+        # (store round trips, polls), later than local ends.
+        self._job_settle = max(float(job_settle), self._settle)
+        self._remote_seen: OrderedDict[tuple, None] = OrderedDict()
+        self._remote_held = 0
+        self.remote_rejected = {reason: 0 for reason in REMOTE_REJECT_REASONS}
         # How long a reported collision still breaks redundant chains.
         self._linger = max(self._window, self._settle)
         self._stale_after = float(stale_after)
@@ -360,6 +387,50 @@ class Detector:
             self._start(key, event, now, out)
         else:
             self._end(key, event, now, out)
+        return out
+
+    def observe_remote(self, event: dict) -> list:
+        """A validated "remote" event: another node's write of a path, reported by the local
+        process (event node, pid) whose own write `seq` of that path this agent tracks.
+
+        Nothing in it can be checked, so what it can do is bounded: it is taken only while
+        the reporter's own write of that path is held here (a sender can add writes only to
+        paths it wrote itself, never create one), at most MAX_REMOTE_PER_PATH per path and
+        MAX_REMOTE_HELD in all, each remote write once; it is never a Write of this node (no
+        write metrics) and its collision says scope "job" and who reported it. Returns the
+        Collisions it made final (normally none: the path is regrouped at its due time)."""
+        path = event["path"]
+        state = self._paths.get(path)
+        anchor = (event["node"], event["pid"], event["seq"])
+        if state is None or not any(e.key == anchor for e in state.entries):
+            self.remote_rejected["unanchored"] += 1
+            return []
+        w = event["writer"]
+        key = (w["node"], w["pid"], event["wseq"])
+        if key in self._remote_seen or any(e.key == key for e in state.entries):
+            return []
+        if sum(1 for e in state.entries if e.source == SOURCE_JOB) >= MAX_REMOTE_PER_PATH:
+            self.remote_rejected["path_full"] += 1
+            return []
+        if self._remote_held >= MAX_REMOTE_HELD:
+            self.remote_rejected["held_full"] += 1
+            return []
+        self._remote_seen[key] = None
+        if len(self._remote_seen) > _REMOTE_SEEN_CAP:
+            self._remote_seen.popitem(last=False)
+        now = self._clock()
+        writer = self._writer({**w, "node": w["node"], "pid": w["pid"]})
+        entry = _Entry(writer, path, event["wseq"], event["start_wall"], event["start_mono"],
+                       event.get("site"), event.get("func"), next(self._order), now,
+                       SOURCE_JOB)
+        entry.reporter = event["pid"]
+        entry.finish(event["end_wall"], event["end_mono"], event.get("bytes"),
+                     event["outcome"], now)
+        insort(state.entries, entry, key=_sort_key)
+        self._remote_held += 1
+        self._paths.move_to_end(path)
+        out: list = []
+        self._schedule(state, entry.done_at + self._job_settle)
         return out
 
     def mark_source(self, path: str, key: tuple, source: str) -> bool:
@@ -617,7 +688,7 @@ class Detector:
                     # A write in flight holds the group back for at most `max_hold` after
                     # `settle`: then what is known is reported, naming the open writes as in
                     # flight, so a live but silent writer cannot hide a collision.
-                    held_until = group.held_until(settle, hold)
+                    held_until = group.held_until(self._group_settle(group), hold)
                     if now >= held_until:
                         out.append(self._collision(KIND_CONCURRENT, state.path,
                                                    group.entries))
@@ -631,7 +702,8 @@ class Detector:
                     else:
                         due = min(due, held_until)
                     continue
-                if force or now >= group.done_at + settle:
+                group_settle = self._group_settle(group)
+                if force or now >= group.done_at + group_settle:
                     if group.news:      # else all of it was reported while in flight
                         out.append(self._collision(KIND_CONCURRENT, state.path,
                                                    group.entries))
@@ -641,7 +713,7 @@ class Detector:
                         new_barriers.append(_Barrier(group.start, runs, expire_at))
                         due = min(due, expire_at)
                 else:
-                    due = min(due, group.done_at + settle)
+                    due = min(due, group.done_at + group_settle)
                 continue
             run = group.entries[0].writer.run_key
             if run is None:
@@ -705,15 +777,33 @@ class Detector:
             return _INF
         return ready_at
 
-    @staticmethod
-    def _drop(entries) -> None:
+    def _group_settle(self, group: _Group) -> float:
+        """settle, or job_settle when a writer belongs to a job that spans several nodes (its
+        other nodes' writes may still be on their way through job scope)."""
+        for entry in group.entries:
+            w = entry.writer
+            # A job whose ranks all run on this node (local world = world) has no other node
+            # to hear from: it keeps the short settle.
+            if (w.master is not None and (w.world_size or 0) > 1
+                    and (w.local_world_size is None or w.local_world_size < w.world_size)):
+                return self._job_settle
+        return self._settle
+
+    def _drop(self, entries) -> None:
         for entry in entries:
+            if not entry.dropped and entry.source == SOURCE_JOB:
+                self._remote_held -= 1
             entry.dropped = True
 
     def _collision(self, kind: str, path: str, entries: list) -> Collision:
         # Entries come in start order; one still in flight is named as known so far.
         writes = tuple(e.write or e.in_flight_write() for e in entries)
         sources = tuple(sorted(set().union(*(e.seen_by for e in entries))))
+        if any(e.source == SOURCE_JOB for e in entries):
+            runs = {e.writer.run_key for e in entries}
+            return Collision(path=path, kind=kind, writes=writes, scope=SCOPE_JOB,
+                             sources=sources, detected_wall=self._wall_clock(),
+                             id=job_collision_id(sorted(map(repr, runs)), path, writes))
         return Collision(path=path, kind=kind, writes=writes, scope=SCOPE_NODE,
                          sources=sources, detected_wall=self._wall_clock(),
                          id=collision_id(path, writes[0].start_wall))

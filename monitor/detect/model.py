@@ -13,12 +13,15 @@ from typing import Any, Mapping
 KIND_CONCURRENT = "concurrent"
 KIND_REDUNDANT = "redundant"
 SCOPE_NODE = "node"
+SCOPE_JOB = "job"           # the collision includes writes of other nodes, learnt via the store
 SOURCE_HOOK = "hook"
 SOURCE_FS = "fs"
+SOURCE_JOB = "job"          # a write of another node, reported by a local hook's job scope
 # Finding kinds: the journal record's "type" and what the metrics count.
 FINDING_SIZE_FLUCTUATION = "size_fluctuation"
 FINDING_TORN_READ = "torn_read"
 FINDING_VERIFICATION = "verification"
+FINDING_HAZARD = "hazard"   # details["hazard"]: local_rank_guard | shared_storage_multi_writer
 
 
 @dataclass(frozen=True)
@@ -99,6 +102,9 @@ class Write:
     site: str | None = None
     func: str | None = None
     source: str = SOURCE_HOOK
+    # For a remote write (source "job"): the pid of the local process whose job scope reported
+    # it. What it says about the remote writer is that process's word, not the kernel's.
+    reporter: int | None = None
 
     @property
     def finished(self) -> bool:
@@ -124,6 +130,8 @@ class Write:
         rec["site"] = self.site
         rec["func"] = self.func
         rec["source"] = self.source
+        if self.reporter is not None:
+            rec["reported_by"] = self.reporter
         return rec
 
     @classmethod
@@ -138,7 +146,8 @@ class Write:
                    start_wall=start_wall, start_mono=start_wall, end_wall=end_wall,
                    end_mono=(start_wall + duration) if duration is not None else end_wall,
                    bytes=rec.get("bytes"), outcome=rec.get("outcome"), site=rec.get("site"),
-                   func=rec.get("func"), source=rec.get("source", SOURCE_HOOK))
+                   func=rec.get("func"), source=rec.get("source", SOURCE_HOOK),
+                   reporter=rec.get("reported_by"))
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,9 @@ class Synthetic(torch.utils.data.Dataset):
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
+    parser.add_argument("--save-on-each-node", action="store_true",
+                        help="TrainingArguments(save_on_each_node=True): local rank 0 of every "
+                             "node saves (meant for node-local storage)")
     args = parser.parse_args()
     config = BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2,
                         num_attention_heads=2, intermediate_size=64,
@@ -36,7 +39,7 @@ def main() -> None:
     training_args = TrainingArguments(
         output_dir=args.out, use_cpu=True, ddp_backend="gloo", per_device_train_batch_size=2,
         save_strategy="steps", save_steps=2, max_steps=4, report_to=[], logging_strategy="no",
-        dataloader_num_workers=0, disable_tqdm=True)
+        dataloader_num_workers=0, disable_tqdm=True, save_on_each_node=args.save_on_each_node)
     Trainer(model=model, args=training_args, train_dataset=Synthetic()).train()
 
 

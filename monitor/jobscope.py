@@ -1,0 +1,68 @@
+"""The agent's side of job scope: hazard and job-scope state events from local hooks.
+
+"remote" events go straight to the detector (Detector.observe_remote); this module turns
+"hazard" events into Findings, once per (job run, path, kind), and logs job-scope state
+changes. Every event here came from a local process speaking about its own write (its pid was
+checked by ingest); a hazard is that process's word about its path, and is labelled with who
+reported it.
+"""
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+
+from monitor.detect.model import FINDING_HAZARD, SOURCE_HOOK, Finding
+
+log = logging.getLogger("ckptwatch.agent")
+
+MAX_HAZARD_KEYS = 4096      # (run, path, kind) remembered for deduplication
+
+
+def _run(event: dict) -> tuple:
+    job = event.get("job")
+    return (job, event.get("master") if job in (None, "none") else None, event.get("restart"))
+
+
+class JobScopeEvents:
+    """Hazard deduplication and state bookkeeping; runs on the agent loop's thread."""
+
+    def __init__(self, max_keys: int = MAX_HAZARD_KEYS):
+        self._seen: OrderedDict[tuple, None] = OrderedDict()
+        self._max_keys = max_keys
+        self.remote_received = 0
+        self.disabled_logged = 0
+
+    def hazard(self, event: dict) -> Finding | None:
+        """The Finding for a hazard event, or None if this run's path already had it."""
+        key = (_run(event), event["path"], event["kind"])
+        if key in self._seen:
+            self._seen.move_to_end(key)
+            return None
+        self._seen[key] = None
+        if len(self._seen) > self._max_keys:
+            self._seen.popitem(last=False)
+        writer = {name: event.get(name) for name in ("node", "pid", "rank", "local_rank",
+                                                     "world_size", "node_rank", "job",
+                                                     "master", "restart", "site", "func")}
+        return Finding(kind=FINDING_HAZARD, path=event["path"], job=event.get("job") or "",
+                       wall=event["wall"], node=event["node"], source=SOURCE_HOOK,
+                       writers=(writer,),
+                       details={"hazard": event["kind"], "shared": event["shared"],
+                                "ranks": list(event.get("ranks") or []),
+                                "nodes": list(event.get("nodes") or []),
+                                "reported_by": event["pid"]})
+
+    def state_reported(self, event: dict) -> None:
+        if event["state"] == "disabled":
+            self.disabled_logged += 1
+            log.warning("job scope disabled in pid %d on %s (job %s): %s; node-scope "
+                        "detection goes on", event["pid"], _clean(event["node"]),
+                        _clean(event.get("job") or "?"), _clean(event.get("reason") or "?"))
+        else:
+            log.info("job scope active in pid %d on %s (job %s)", event["pid"],
+                     _clean(event["node"]), _clean(event.get("job") or "?"))
+
+
+def _clean(text: str) -> str:
+    from exporters.logline import clean
+    return clean(text)[:256]

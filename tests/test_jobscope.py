@@ -1,0 +1,234 @@
+"""ckptwatch.jobscope: key layout, ticket order, store growth, an unreachable or late store.
+
+Real TCPStore servers (torch, loopback) and real JobScope threads; the events they would send
+to the agent are collected from their emit callback.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import threading
+import time
+
+import pytest
+
+from ckptwatch import jobscope
+from ckptwatch.jobscope import JobScope, place_remote, run_prefix
+from ckptwatch.sharedfs import SharedPaths
+from helpers import free_port, wait_for
+
+torch = pytest.importorskip("torch")
+import torch.distributed as dist  # noqa: E402
+
+pytestmark = pytest.mark.torch
+
+SHARED = "/tmp/ckptwatch-test-shared"
+
+
+def master_store(port: int = 0):
+    return dist.TCPStore("127.0.0.1", port, None, True, datetime.timedelta(seconds=10),
+                         wait_for_workers=False)
+
+
+def ident(node: str, rank: int, local_rank: int, job="job-1", restart=0) -> dict:
+    # One test process plays every rank: each gets its own pid in what it announces.
+    return {"node": node, "pid": 100000 + rank, "rank": rank, "local_rank": local_rank,
+            "world_size": 4, "local_world_size": 2, "node_rank": rank // 2, "job": job,
+            "master": "127.0.0.1:29500", "restart": restart}
+
+
+class Rank:
+    """A JobScope as one rank's hook drives it, with what it sends to its agent."""
+
+    def __init__(self, port: int, node: str, rank: int, local_rank: int, **kw):
+        self.sent: list[dict] = []
+        self.ident = ident(node, rank, local_rank)
+        self.seq = 0
+        self.scope = JobScope("127.0.0.1", port, self.ident, emit=self.sent.append,
+                              shared=SharedPaths({"CKPTWATCH_SHARED_PATHS": SHARED}),
+                              **kw).start()
+
+    def begin(self, path: str):
+        self.seq += 1
+        pending = (self.ident, self.seq, path, None, None, time.time(), time.monotonic())
+        self.scope.started(pending)
+        return pending
+
+    def end(self, pending) -> None:
+        self.scope.ended(pending, time.time(), time.monotonic(), "ok")
+
+    def save(self, path: str, hold: float = 0.0) -> None:
+        pending = self.begin(path)
+        time.sleep(hold)
+        self.end(pending)
+
+    def of_type(self, kind: str) -> list[dict]:
+        return [e for e in self.sent if e["type"] == kind]
+
+    def active(self) -> bool:
+        return self.scope.state == jobscope.STATE_ACTIVE
+
+
+@pytest.fixture
+def store():
+    server = master_store()
+    yield server
+
+
+# ---- pure parts ---------------------------------------------------------------------------
+
+def test_run_prefix_separates_restarts_and_static_rendezvous_jobs():
+    base = ident("a", 0, 0)
+    assert run_prefix(base) == run_prefix(dict(base, rank=3, node="b"))   # one run, any rank
+    assert run_prefix(base) != run_prefix(dict(base, restart=1))          # elastic restart
+    none = dict(base, job="none")
+    # TORCHELASTIC_RUN_ID=none: two jobs with different masters are two runs
+    assert run_prefix(none) != run_prefix(dict(none, master="10.0.0.2:29500"))
+    # ... while a named job does not depend on the master's address
+    assert run_prefix(base) == run_prefix(dict(base, master="10.0.0.2:29500"))
+    assert run_prefix(base).startswith("ckptwatch/")
+
+
+def test_place_remote_follows_the_store_order_not_the_walls():
+    own = {"sw": 1000.0, "sm": 50.0, "ew": 1001.0, "em": 51.0, "ts": 10, "te": 20}
+    # The remote node's clock runs 5 s ahead: by walls no overlap, by tickets an overlap.
+    start, end, overlap = place_remote(own, {"sw": 1005.2, "ew": 1006.0, "ts": 12, "te": 22})
+    assert overlap is True and start < own["em"] and end > own["sm"]
+    # Walls overlap (remote clock behind) but the store saw it start after ours ended.
+    start, end, overlap = place_remote(own, {"sw": 1000.5, "ew": 1000.9, "ts": 21, "te": 22})
+    assert overlap is False and start >= own["em"] and end >= start
+    # ... or end before ours started.
+    start, end, overlap = place_remote(own, {"sw": 1000.5, "ew": 1000.9, "ts": 5, "te": 9})
+    assert overlap is False and end <= own["sm"] and start <= end
+    # Without tickets the walls decide, mapped through our wall-mono offset.
+    start, end, overlap = place_remote(own, {"sw": 1000.5, "ew": 1000.7})
+    assert overlap is None and (start, end) == pytest.approx((50.5, 50.7))
+
+
+# ---- with a real store --------------------------------------------------------------------
+
+def test_two_nodes_learn_each_others_overlapping_write_and_name_the_hazards(store):
+    a = Rank(store.port, "node-a", 0, 0)
+    b = Rank(store.port, "node-b", 2, 0)
+    c = Rank(store.port, "node-a", 1, 1)             # a local peer of a: not reported remote
+    wait_for(lambda: a.active() and b.active() and c.active(), message="connected")
+    path = os.path.join(SHARED, "last.pt")
+    pa, pb, pc = a.begin(path), b.begin(path), c.begin(path)
+    time.sleep(0.05)
+    for rank, pending in ((a, pa), (b, pb), (c, pc)):
+        rank.end(pending)
+    wait_for(lambda: a.of_type("remote") and b.of_type("remote"), message="remote reports")
+    time.sleep(0.3)
+    remote_a = a.of_type("remote")
+    assert [(e["writer"]["node"], e["writer"]["rank"], e["overlap"]) for e in remote_a] == [
+        ("node-b", 2, True)]
+    assert remote_a[0]["seq"] == pa[1] and remote_a[0]["path"] == path
+    assert remote_a[0]["start_mono"] <= remote_a[0]["end_mono"]
+    assert sorted(e["writer"]["rank"] for e in b.of_type("remote")) == [0, 1]
+    # local_rank_guard: only b (local rank 0, global rank 2); multi-writer: all three.
+    assert [h["kind"] for h in b.of_type("hazard")].count("local_rank_guard") == 1
+    assert "local_rank_guard" not in [h["kind"] for h in a.of_type("hazard")]
+    multi = [h for h in a.of_type("hazard") if h["kind"] == "shared_storage_multi_writer"]
+    assert multi and multi[0]["ranks"] == [0, 1, 2]
+    for rank in (a, b, c):
+        assert rank.of_type("jobscope")[0]["state"] == "active"
+
+
+def test_a_later_writer_is_found_by_the_earlier_ones_poll(store):
+    a = Rank(store.port, "node-a", 0, 0)
+    b = Rank(store.port, "node-b", 2, 0)
+    wait_for(lambda: a.active() and b.active(), message="connected")
+    path = os.path.join(SHARED, "later.pt")
+    a.save(path)
+    time.sleep(0.5)
+    assert a.of_type("remote") == []
+    b.save(path)
+    # a learns of b by re-reading its recent path (not at its own end, which was earlier).
+    found = wait_for(lambda: a.of_type("remote"), timeout=10, message="a's poll")
+    assert found[0]["overlap"] is False and found[0]["writer"]["rank"] == 2
+
+
+def test_store_keys_do_not_grow_with_the_number_of_saves(store):
+    """10,000 saves by two ranks of two nodes (5,000 each, on 8 paths), a 0.25 s window (the
+    run lasts many windows): keys are deleted while it runs, and once the last windows have
+    passed the store holds what it held before plus the ticket counter."""
+    window = 0.25
+    a = Rank(store.port, "node-a", 0, 0, window=window)
+    b = Rank(store.port, "node-b", 2, 0, window=window)
+    wait_for(lambda: a.active() and b.active(), message="connected")
+    before = store.num_keys()
+    paths = [os.path.join("/tmp/private", f"p{i}.pt") for i in range(8)]
+    peak = 0
+    for i in range(5000):
+        for rank in (a, b):
+            rank.save(paths[i % len(paths)])
+        if i % 500 == 0:
+            wait_for(lambda: not a.scope._queue and not b.scope._queue, timeout=60)
+            peak = max(peak, store.num_keys())
+    wait_for(lambda: a.scope.counters["announced"] + a.scope.counters["dropped"] >= 5000
+             and b.scope.counters["announced"] + b.scope.counters["dropped"] >= 5000,
+             timeout=120, message="every save announced or dropped")
+    after = wait_for(lambda: store.num_keys() <= before + 1 and store.num_keys(), timeout=30,
+                     message=f"keys back to {before} + ticket counter (now {store.num_keys()})")
+    assert after == before + 1
+    assert peak < 5000, peak        # the saves of the last windows, not all 10,000
+    assert a.scope.state == "active" and a.scope.counters["errors"] == 0
+
+
+def test_unreachable_store_never_blocks_a_save_and_disables_job_scope():
+    port = free_port()                   # nobody listens
+    a = Rank(port, "node-a", 2, 0, connect_budget=0.5)
+    t0 = time.perf_counter()
+    for i in range(1000):
+        a.save(os.path.join(SHARED, "x.pt"))
+    elapsed = time.perf_counter() - t0
+    assert elapsed < 5.0                 # the save path is a deque append, store or not
+    wait_for(lambda: a.scope.state == "disabled", timeout=10, message="disabled")
+    states = a.of_type("jobscope")
+    assert [s["state"] for s in states] == ["disabled"] and "unreachable" in states[0]["reason"]
+    # local_rank_guard needs no store.
+    wait_for(lambda: a.of_type("hazard"), message="the hazard without a store")
+    assert a.of_type("remote") == []
+
+
+def test_ranks_started_before_the_store_connect_once_it_is_up():
+    port = free_port()
+    a = Rank(port, "node-a", 0, 0)
+    time.sleep(0.5)
+    assert a.scope.state == "connecting"
+    server = master_store(port)
+    wait_for(lambda: a.active(), timeout=15, message="connected after the store came up")
+    assert server.num_keys() == 0       # connecting wrote nothing
+
+
+def test_a_store_that_goes_away_disables_job_scope_and_saves_go_on():
+    port = free_port()
+    holder = {}
+    ready = threading.Event()
+
+    def serve():
+        holder["server"] = master_store(port)
+        ready.set()
+
+    threading.Thread(target=serve, daemon=True).start()
+    ready.wait(10)
+    a = Rank(port, "node-a", 0, 0, op_timeout=1.0)
+    wait_for(lambda: a.active(), message="connected")
+    del holder["server"]                 # the server shuts down with its last reference
+    import gc
+    gc.collect()
+    for _ in range(20):
+        a.save(os.path.join(SHARED, "gone.pt"))
+    wait_for(lambda: a.scope.state == "disabled", timeout=20, message="disabled after loss")
+    assert [s["state"] for s in a.of_type("jobscope")] == ["active", "disabled"]
+
+
+def test_start_if_distributed_needs_the_whole_environment(monkeypatch):
+    monkeypatch.setattr(jobscope, "_instance", None)
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1", "RANK": "0"}
+    assert jobscope.start_if_distributed(ident("a", 0, 0), env) is None
+    assert jobscope.start_if_distributed(ident("a", 0, 0),
+                                         dict(env, WORLD_SIZE="2", CKPTWATCH_JOBSCOPE="0")) is None
+    # a single-node job (every rank local): its agent sees all of them already
+    assert jobscope.start_if_distributed(ident("a", 0, 0),
+                                         dict(env, WORLD_SIZE="4", LOCAL_WORLD_SIZE="4")) is None
