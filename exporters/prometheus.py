@@ -102,6 +102,7 @@ class MetricsSnapshot:
     jobs_expired: int = 0                                           # jobs idle past expiry
     starts_refused: Mapping[str, int] = field(default_factory=dict)  # reason -> starts refused
     loop_lag: float = 0.0                  # seconds the oldest queued event has waited
+    verifications_pending: int = 0         # paths and sets still to be verified
 
 
 def _format_bound(bound: float) -> str:
@@ -178,6 +179,7 @@ class MetricsState:
         self._corrupt: dict[str, int] = {c: 0 for c in CORRUPT_CAUSES}
         self._starts_refused: dict[str, int] = {r: 0 for r in START_REFUSE_REASONS}
         self._loop_lag = 0.0
+        self._verifications_pending = 0
 
     # -- bounded label values (call with the lock held) ------------------------------------
 
@@ -331,6 +333,11 @@ class MetricsState:
         with self._lock:
             self._loop_lag = float(seconds)
 
+    def set_verifications_pending(self, n: int) -> None:
+        """Paths and checkpoint sets scheduled, queued or being verified now."""
+        with self._lock:
+            self._verifications_pending = int(n)
+
     def http_connection_dropped(self, reason: str) -> None:
         """A /metrics or /healthz connection closed early (HTTP_DROP_REASONS)."""
         with self._lock:
@@ -391,6 +398,7 @@ class MetricsState:
                 jobs_expired=self._jobs_expired,
                 starts_refused=MappingProxyType(dict(self._starts_refused)),
                 loop_lag=self._loop_lag,
+                verifications_pending=self._verifications_pending,
             )
 
     def _histogram(self, series: _JobSeries) -> Histogram:
@@ -527,6 +535,10 @@ class CkptwatchCollector:
                       "unverifiable, gone: renamed or deleted first).",
                       ["result"], s.verifications)
 
+        yield GaugeMetricFamily("ckptwatch_verifications_pending",
+                                "Checkpoints and checkpoint sets waiting to be verified: "
+                                "quiet and due, queued, or being read now.",
+                                value=s.verifications_pending)
         yield _family(CounterMetricFamily, "ckptwatch_corrupt_checkpoints",
                       "Finished checkpoints that failed verification, by "
                       "reason (empty, truncated, torn, crc_mismatch, "
