@@ -103,8 +103,7 @@ class Findings:
     corrupt: list = field(default_factory=list)         # verification records
     counts: dict = field(default_factory=lambda: {"collisions": 0, "hazards": 0,
                                                   "corrupt": 0, "writes": 0,
-                                                  "verifications": 0, "unverifiable": 0,
-                                                  "malformed": 0})
+                                                  "unverifiable": 0, "malformed": 0})
 
     @property
     def unsafe(self) -> bool:
@@ -128,7 +127,6 @@ def read_findings(journal: str) -> Findings:
             if len(found.hazards) < MAX_LISTED:
                 found.hazards.append(record)
         elif kind == "verification":
-            found.counts["verifications"] += 1
             result = record.get("result")
             if result == "corrupt":
                 found.counts["corrupt"] += 1
@@ -227,7 +225,7 @@ def render_table(outcome: Outcome, width: int = 80) -> str:
     n = f.counts
     lines.append(f"ckptwatch check: {n['collisions']} collision(s), {n['hazards']} hazard(s), "
                  f"{n['corrupt']} corrupt checkpoint(s) in {n['writes']} write(s), "
-                 f"{n['verifications']} verification(s)")
+                 f"{n.get('verified', 0)} checkpoint(s) verified")
     lines.append(f"ckptwatch check: command {_status_text(outcome.command_status)}")
     if not outcome.judged:
         lines.append(f"ckptwatch check: NOT everything was judged: {outcome.incomplete}")
@@ -325,6 +323,15 @@ def _validate(args, cmd: list, err) -> int | None:
     return None
 
 
+def _verifications(agent: AgentProcess) -> dict:
+    """{result: n} of the agent's verifications (the journal only holds the bad ones)."""
+    try:
+        return {s.labels.get("result", ""): int(s.value) for s in agent.samples()
+                if s.name == "ckptwatch_checkpoint_verifications_total" and s.value}
+    except (OSError, RuntimeError, ValueError):
+        return {}
+
+
 def _write(text: str, args, out, err) -> None:
     if args.output and args.output != "-":
         try:
@@ -362,6 +369,7 @@ def run(args, out=None, err=None) -> int:
     forwarder.install()
     status: int | None = None
     judged, incomplete = True, ""
+    verified: dict = {}
     try:
         try:
             try:
@@ -402,11 +410,14 @@ def run(args, out=None, err=None) -> int:
                     incomplete = (f"the agent still had work after --timeout {args.timeout:g}s "
                                   "(a process of CMD still connected or writing, or "
                                   "verifications pending)")
+            verified = _verifications(agent)
         finally:
             code = agent.stop()     # finalises pending collisions, flushes the journal
         if judged and code not in (0, None):
             judged, incomplete = False, f"the agent exited with code {code} when stopped"
         findings = read_findings(agent.journal)
+        findings.counts["verified"] = sum(verified.values())
+        findings.counts["verified_by_result"] = verified
         outcome = Outcome(cmd, status, findings, judged, incomplete,
                           journal=agent.journal if (args.journal or args.keep) else None,
                           log=agent.log_path if args.keep else None)
