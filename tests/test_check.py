@@ -214,14 +214,16 @@ def test_a_sigkilled_check_takes_its_agent_with_it(tmp_path):
     proc, marker, socket, family = _start_trapped(tmp_path)
     cmd = [p for p in family if "-c" in p.cmdline()]
     agent = [p for p in family if p not in cmd]
+    assert len(agent) == 1
     try:
         proc.kill()
-        proc.communicate(timeout=30)
+        proc.wait(timeout=30)     # CMD, still running, holds the output pipes: no communicate
         psutil.wait_procs(agent, timeout=20)
-        assert not [p for p in agent if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        assert not agent[0].is_running()
     finally:
         for p in cmd:
             p.kill()
+        proc.communicate(timeout=30)
 
 
 # ---------------------------------------------------------------------------- docs
