@@ -163,10 +163,24 @@ def test_guarded_two_rank_job_passes_and_json_has_the_documented_shape(tmp_path)
     assert report["command_exit_code"] == 0 and report["judged"] is True
     assert report["collisions"] == report["hazards"] == report["corrupt"] == []
     assert report["counts"]["writes"] >= 1
-    # last.pt, once: the verdict was waited for (ckptwatch_verifications_pending), not raced.
-    assert report["counts"]["verified_by_result"] == {"ok": 1}, report
+    assert report["counts"]["verified_by_result"] == {"ok": 1}, report   # last.pt, once
     assert report["journal"] == str(keep / "journal.jsonl")
     assert os.path.exists(report["journal"]) and os.path.exists(report["agent_log"])
+
+
+@pytest.mark.torch
+def test_the_verdict_waits_for_a_verification_still_to_come(tmp_path):
+    """The checkpoint is verified 8 s after its save (--verify.quiet 8), longer than the 1 s
+    of --idle and than the command's exit after the save: the verdict is there only because
+    check waits for ckptwatch_verifications_pending to reach 0."""
+    pytest.importorskip("torch")
+    result = run_check("--format", "json", "--verify.quiet", "8", "--", PY, "-c",
+                       "import sys, torch; torch.save({'w': torch.zeros(8)}, sys.argv[1])",
+                       str(tmp_path / "model.pt"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout)
+    assert report["counts"]["writes"] == 1
+    assert report["counts"]["verified_by_result"] == {"ok": 1}, report
 
 
 # ---------------------------------------------------------------------------- signals
