@@ -106,6 +106,7 @@ class MetricsSnapshot:
     job_scope: Mapping[tuple[str, str], int] = field(default_factory=dict)   # (job, state) -> n
     remote_writes: int = 0                                          # remote writes received
     remote_rejected: Mapping[str, int] = field(default_factory=dict)  # reason -> remote writes
+    verifications_pending: int = 0         # paths and sets still to be verified
 
 
 def _format_bound(bound: float) -> str:
@@ -186,6 +187,7 @@ class MetricsState:
         self._loop_lag = 0.0
         self._remote_writes = 0
         self._remote_rejected: dict[str, int] = {}
+        self._verifications_pending = 0
 
     # -- bounded label values (call with the lock held) ------------------------------------
 
@@ -358,6 +360,11 @@ class MetricsState:
         with self._lock:
             self._loop_lag = float(seconds)
 
+    def set_verifications_pending(self, n: int) -> None:
+        """Paths and checkpoint sets scheduled, queued or being verified now."""
+        with self._lock:
+            self._verifications_pending = int(n)
+
     def http_connection_dropped(self, reason: str) -> None:
         """A /metrics or /healthz connection closed early (HTTP_DROP_REASONS)."""
         with self._lock:
@@ -427,6 +434,7 @@ class MetricsState:
                 job_scope=MappingProxyType(job_scope),
                 remote_writes=self._remote_writes,
                 remote_rejected=MappingProxyType(dict(self._remote_rejected)),
+                verifications_pending=self._verifications_pending,
             )
 
     def _histogram(self, series: _JobSeries) -> Histogram:
@@ -586,6 +594,10 @@ class CkptwatchCollector:
                       "unverifiable, gone: renamed or deleted first).",
                       ["result"], s.verifications)
 
+        yield GaugeMetricFamily("ckptwatch_verifications_pending",
+                                "Checkpoints and checkpoint sets waiting to be verified: "
+                                "quiet and due, queued, or being read now.",
+                                value=s.verifications_pending)
         yield _family(CounterMetricFamily, "ckptwatch_corrupt_checkpoints",
                       "Finished checkpoints that failed verification, by "
                       "reason (empty, truncated, torn, crc_mismatch, "

@@ -111,6 +111,10 @@ class Checks:
         self.schedule.verified(results, now)
         return results
 
+    def pending(self) -> int:
+        """Verifications still to come: scheduled, queued or being read (after tick())."""
+        return self.schedule.pending() + self.verifier.outstanding if self.enabled else 0
+
 
 def health_check(ingest: IngestServer, heartbeat: list[float], fs: FsSource | None = None,
                  inbox: "Inbox | None" = None, max_lag: float = MAX_LAG_SECONDS,
@@ -440,6 +444,7 @@ class Agent:
         self.publish(self.detector.tick())
         for v in self.checks.tick():
             self.exporters.publish_finding(verification_finding(v))
+        self.state.set_verifications_pending(self.checks.pending())
         self.state.set_active_writes(self.detector.active_writes())
         self.state.set_detector_stats(self.detector.tracked_paths,
                                       self.detector.evicted_paths_total)

@@ -38,38 +38,63 @@ def agent_command(*args: str) -> list[str]:
     return [sys.executable, "-m", "monitor.cli", "agent", *args]
 
 
+_PR_SET_PDEATHSIG = 1
+
+
+def _death_signal_setter():
+    """A function for the child, between fork and exec, that asks the kernel for SIGTERM when
+    the parent dies (prctl PR_SET_PDEATHSIG); None where there is no prctl. Looked up here,
+    in the parent: the child should do as little as possible before exec."""
+    try:
+        import ctypes
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (ImportError, OSError, AttributeError):     # not Linux
+        return None
+    return lambda: prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+
+
 class AgentProcess:
     """A real agent subprocess with its own socket, port, journal and log.
 
     workdir holds the journal and the log (a fresh temporary directory when None, removed by
-    close()); `socket` and `port` default to private ones; `extra` are more agent flags.
+    close()); `socket` and `port` default to private ones; `journal` defaults to
+    workdir/journal.jsonl; `extra` are more agent flags. die_with_parent: the kernel sends the
+    agent SIGTERM if the thread that started it dies (even by SIGKILL; Linux only), so a
+    killed `ckptwatch check` leaves no agent behind; and the agent gets a process group of its
+    own, so a Ctrl-C meant for the job does not stop it before the job's last events are in.
     """
 
     def __init__(self, workdir: str | None = None, *extra: str, socket: str | None = None,
                  port: int | None = None, log_level: str = "debug",
-                 log_name: str = "agent.log", env: dict | None = None):
+                 log_name: str = "agent.log", env: dict | None = None,
+                 journal: str | None = None, die_with_parent: bool = False):
         self._own_workdir = workdir is None
         self.workdir = workdir or tempfile.mkdtemp(prefix="ckptwatch-agent-")
         self._sockdir = tempfile.mkdtemp(prefix="cwa", dir="/tmp")
         self.socket = socket or os.path.join(self._sockdir, "agent.sock")
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.journal = os.path.join(self.workdir, "journal.jsonl")
+        self.journal = journal or os.path.join(self.workdir, "journal.jsonl")
         self.log_path = os.path.join(self.workdir, log_name)
         self.args = ["--ingest.socket", self.socket,
                      "--web.listen-address", f"127.0.0.1:{self.port}",
                      "--journal.path", self.journal, "--log.level", log_level, *extra]
         self._env = env
+        self._die_with_parent = die_with_parent
         self.proc: subprocess.Popen | None = None
 
     # ---- life cycle --------------------------------------------------------------------
 
     def launch(self) -> "AgentProcess":
         """Start the process without waiting for it (tests of failing starts use this)."""
+        tied = {}
+        if self._die_with_parent:
+            tied = {"process_group": 0, "preexec_fn": _death_signal_setter()}
         with open(self.log_path, "wb") as log_file:
             self.proc = subprocess.Popen(agent_command(*self.args), stdin=subprocess.DEVNULL,
                                          stdout=log_file, stderr=log_file, env=self._env,
-                                         cwd=self.workdir)
+                                         cwd=self.workdir,
+                                         **tied)
         return self
 
     def start(self, timeout: float = 30.0) -> "AgentProcess":
@@ -183,6 +208,45 @@ class AgentProcess:
         if not os.path.exists(self.journal):
             return []
         return list(read_records(self.journal))
+
+    def idle(self) -> bool:
+        """One look at whether the agent holds nothing of anyone's: no hook connected, no
+        event queued, no write in flight, no verification to come (its last tick's view)."""
+        sums = self.metrics()
+        return (sums.get("ckptwatch_ingest_connections", 0) == 0
+                and sums.get("ckptwatch_loop_lag_seconds", 0) == 0
+                and sums.get("ckptwatch_active_writes", 0) == 0
+                and sums.get("ckptwatch_verifications_pending", 0) == 0)
+
+    def wait_settled(self, quiet: float = 1.0, timeout: float = 60.0,
+                     interval: float = 0.1, cancelled=lambda: False) -> bool:
+        """Wait until idle() has held for `quiet` seconds without a break; False when
+        `timeout` passes first (or cancelled() turns true). Call it once the writers are gone.
+
+        `quiet` spans more than one of the agent's ticks (0.2 s), so an event that arrived
+        between two gauges of a tick is seen at the next one; and it covers what reaches the
+        agent late: the file watcher hands on events up to ~0.5 s after they happen, the
+        source merger holds them up to 0.25 s more."""
+        deadline = time.monotonic() + timeout
+        idle_since = None
+        while not cancelled():
+            now = time.monotonic()
+            try:
+                idle = self.idle()
+            except (OSError, RuntimeError):
+                idle = False
+            if not idle:
+                idle_since = None
+            elif idle_since is None:
+                idle_since = now
+            elif now - idle_since >= quiet:
+                return True
+            if now > deadline:
+                return False
+            if not self.alive():
+                return False
+            time.sleep(interval)
+        return False
 
     def collisions(self) -> list[dict]:
         return [r for r in self.journal_records() if r.get("type") == "collision"]

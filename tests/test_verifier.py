@@ -91,3 +91,31 @@ def test_the_same_bytes_are_verified_once(tmp_path, torch):
     assert v.verify(str(path)) is None and v.unchanged_total == 1
     torch.save({"a": 2, "b": torch.zeros(10)}, path)     # rewritten: verified again
     assert v.verify(str(path)).result == "ok"
+
+
+def test_pending_counts_due_paths_and_submissions_until_their_answer_is_drained(tmp_path):
+    """ckptwatch_verifications_pending (what `ckptwatch check` waits on) is 0 only when every
+    verdict is in the loop's hands, including a submission that yields no verdict."""
+    s = VerifySchedule(quiet=1.0)
+    s.write_finished("/ckpt/a.pt", "job", now=0.0)
+    assert s.pending() == 1
+    s.write_started("/ckpt/a.pt", now=0.5)           # waits on a write, not on the verifier
+    assert s.pending() == 0
+    s.write_finished("/ckpt/a.pt", "job", now=0.6)
+    assert [p for p, *_ in s.due(now=2.0)] == ["/ckpt/a.pt"] and s.pending() == 0
+
+    path = tmp_path / "x.pt"
+    path.write_bytes(b"not a checkpoint")
+    v = Verifier()
+    v.start()
+    try:
+        for _ in range(2):          # the second time the file is unchanged: no verdict
+            assert v.submit(str(path))
+            assert v.outstanding == 1
+            wait_for(lambda: v._outbox.qsize(), timeout=10)
+            assert v.outstanding == 1                 # answered, not yet drained
+            v.drain()
+            assert v.outstanding == 0
+        assert v.unchanged_total == 1
+    finally:
+        v.stop()

@@ -16,6 +16,7 @@ ckptwatch: catch concurrent torch.save writes to one checkpoint path, and say wh
   ckptwatch demo                      see it work: a private agent and a 4-rank CPU job
   ckptwatch agent [flags]             the per-node agent (same as `python agent.py`)
   ckptwatch run -- torchrun ...       run a job with every torch.save instrumented
+  ckptwatch check -- CMD ...          CI gate: run CMD watched, exit 1 if its saves are unsafe
   ckptwatch report [--journal PATH]   who wrote what, when, and the fix
   ckptwatch scan PATH... [--deep]     find corrupt checkpoints on disk (exit 1 if any)
   ckptwatch lint PATH...              find checkpoint saves that several ranks can run
@@ -63,6 +64,19 @@ def build_parser() -> argparse.ArgumentParser:
                      "or the agent's default socket)")
     run.add_argument("cmd", nargs=argparse.REMAINDER, help="the command to run, after --")
 
+    check = sub.add_parser(
+        "check", help="CI gate: run a command under a private agent, report, exit 1 on any "
+        "collision, hazard or corrupt checkpoint (else the command's status)",
+        description="Run CMD with every torch.save instrumented and watched by a private "
+                    "agent; when CMD has exited and the agent has judged everything, print "
+                    "the report and exit 1 if any collision, hazard or corrupt checkpoint "
+                    "was seen, otherwise with CMD's own exit status.",
+        usage="ckptwatch check [options] -- CMD [ARGS...]",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    from monitor.cli import check as check_mod
+    check.epilog = check_mod.EPILOG
+    check_mod.add_arguments(check)
+
     report = sub.add_parser("report", help="show collisions from the agent's journal: who "
                             "wrote what, when, and the fix")
     from monitor.cli import report as report_mod
@@ -99,6 +113,9 @@ def main(argv: list[str] | None = None) -> int:
         from monitor.cli import run as runner
         cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
         return runner.run(cmd, socket=args.socket)
+    if args.command == "check":
+        from monitor.cli import check
+        return check.run(args)
     if args.command == "report":
         from monitor.cli import report
         return report.run(args)

@@ -210,6 +210,13 @@ class VerifySchedule:
     def __len__(self) -> int:
         return len(self._due)
 
+    def pending(self) -> int:
+        """Paths and sets due at a known time: quiet now, verified once `quiet` has passed.
+        (A path whose new write has not ended is not counted: it waits on the write, which
+        ckptwatch_active_writes shows.)"""
+        return (sum(1 for e in self._due.values() if e.at != float("inf"))
+                + sum(1 for at in self._sets.values() if at != float("inf")))
+
 
 class Verifier:
     """Runs verifications in one worker thread; results come back through drain()."""
@@ -228,6 +235,10 @@ class Verifier:
         self._verified: OrderedDict = OrderedDict()
         self.unchanged_total = 0
         self.denied_total = 0             # paths not read: no sender could read them itself
+        # Submitted and not yet drained. Only the loop's thread (submit, drain) touches it:
+        # the worker answers every item, with an empty list when it has no verdict, so a
+        # count of 0 means every verdict is in the loop's hands (`ckptwatch check` waits on it).
+        self.outstanding = 0
 
     def start(self) -> None:
         if self._thread is None:
@@ -252,18 +263,20 @@ class Verifier:
                readers: tuple | None = None) -> bool:
         try:
             self._inbox.put_nowait((path, job, collision_id, readers))
-            return True
         except queue.Full:
             self.skipped_total += 1
             return False
+        self.outstanding += 1
+        return True
 
     def submit_set(self, directory: str, runs: dict | None = None) -> bool:
         try:
             self._inbox.put_nowait(_SetJob(directory, runs or {}))
-            return True
         except queue.Full:
             self.skipped_total += 1
             return False
+        self.outstanding += 1
+        return True
 
     def verify_sets(self, directory: str, runs: dict | None = None) -> list[Verification]:
         """Verify every checkpoint set in `directory` with the agent's rights (the worker's
@@ -294,9 +307,11 @@ class Verifier:
         out = []
         while True:
             try:
-                out.append(self._outbox.get_nowait())
+                answer = self._outbox.get_nowait()
             except queue.Empty:
                 return out
+            self.outstanding = max(0, self.outstanding - 1)
+            out.extend(answer)
 
     def verify(self, path: str, job: str = "", collision_id: str = "",
                readers: tuple | None = None) -> Verification | None:
@@ -365,13 +380,15 @@ class Verifier:
             item = self._inbox.get()
             if item is None:
                 return
+            answer: list = []       # one answer per item, even without a verdict
             try:
                 if isinstance(item, _SetJob):
-                    for result in self.verify_sets(item.directory, item.runs):
-                        self._outbox.put(result)
-                    continue
-                result = self.verify(*item)
-                if result is not None:
-                    self._outbox.put(result)
+                    answer = self.verify_sets(item.directory, item.runs)
+                else:
+                    result = self.verify(*item)
+                    answer = [result] if result is not None else []
             except Exception:       # a verifier bug must not kill the thread
-                log.exception("verification of %r failed", item[0])
+                log.exception("verification of %r failed",
+                              item.directory if isinstance(item, _SetJob) else item[0])
+            finally:
+                self._outbox.put(answer)
