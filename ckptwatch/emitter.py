@@ -17,6 +17,15 @@ parent's events. An at-fork handler gives every Emitter in the child a fresh que
 event, thread and connection, and drops the inherited copy of the parent's socket object without
 sending anything on it.
 
+Notices (the warn policy, ckptwatch.policy): with on_notice set, the sender thread also reads
+what the agent sends back on the connection — notices about unsafe saves (wire contract:
+ckptwatch/events.py) — each time it wakes, and at most NOTICE_POLL seconds apart while idle
+and connected. Reading never blocks (poll first, then recv); each frame is bounded and
+validated (events.decode_notice), a malformed one is counted and skipped, an oversized one
+ends notice reading on that connection, and on_notice's own failures are counted. So a notice
+is acted on within NOTICE_POLL of its arrival while the process lives; one that arrives after
+the process has exited is lost (the agent reports the collision anyway).
+
 Exit: an atexit handler flushes within flush_timeout (CKPTWATCH_FLUSH_TIMEOUT overrides) — but
 does not wait at all when the agent cannot be reached, so a job without an agent exits at
 normal speed. Processes that end with os._exit (e.g. multiprocessing children) skip atexit and
@@ -29,6 +38,7 @@ from __future__ import annotations
 import atexit
 import collections
 import os
+import select
 import socket
 import struct
 import threading
@@ -46,6 +56,8 @@ BACKOFF_MIN = 0.05
 BACKOFF_MAX = 1.0
 IDLE_WAIT = 5.0               # periodic wake-up; a lost wake-up costs at most this long
 LINGER = 0.02                 # collect events this long before sending (end-to-end latency)
+NOTICE_POLL = 0.2             # idle wake-up period while notices are read (warn policy)
+NOTICE_READS = 4              # recv calls per wake-up: bounded work per turn
 _PEERCRED = struct.Struct("3i")   # struct ucred: pid, uid, gid
 
 _live: "weakref.WeakSet[Emitter]" = weakref.WeakSet()
@@ -81,6 +93,7 @@ class Emitter:
         self.socket_path = socket_path
         self.max_queue = max_queue
         self.flush_timeout = flush_timeout
+        self.on_notice = None     # callable(notice dict), run on the sender thread (warn policy)
         self._reset_state()
         _live.add(self)
 
@@ -108,6 +121,10 @@ class Emitter:
         self._dropped = 0                  # total dropped (queue full, too large, after close)
         self._dropped_reported = 0         # part of _dropped already sent to the agent
         self._errors = 0
+        self._notice_reader = events.FrameReader(events.MAX_NOTICE_BYTES)
+        self._notices_off = False          # this connection sent an oversized frame
+        # Notices read, and skipped (see module doc); not in stats(), whose fields are fixed.
+        self.notices = {"read": 0, "malformed": 0, "oversized": 0, "errors": 0}
 
     # ---- caller side (the save path) -------------------------------------------------------
 
@@ -203,12 +220,15 @@ class Emitter:
                 self._errors += 1
                 self._close_socket()
                 time.sleep(BACKOFF_MIN)
+        self._read_notices()    # what already arrived; nothing is waited for at exit
         self._close_socket()
 
     def _has_work(self) -> bool:
         return bool(self._queue or self._batch or self._dropped > self._dropped_reported)
 
     def _step(self) -> None:
+        if self.on_notice is not None:
+            self._read_notices()
         if not self._has_work():
             self._drained_gen = self._flush_gen    # every flush() asked so far is served
             self._idle = True
@@ -216,7 +236,8 @@ class Emitter:
             # Re-check after clear: an emit() between the check above and clear() saw
             # _idle False and did not set the event.
             if not self._has_work() and not self._stopping:
-                self._wake.wait(IDLE_WAIT)
+                reading = self.on_notice is not None and self._sock is not None
+                self._wake.wait(NOTICE_POLL if reading else IDLE_WAIT)
             self._idle = False
             self._linger()
             return
@@ -241,6 +262,41 @@ class Emitter:
         if len(self._queue) < BATCH_MAX:
             # What came in during the send is a few frames: gather more before the next.
             self._linger()
+
+    def _read_notices(self) -> None:
+        """Hand every complete notice waiting on the connection to on_notice. Never blocks."""
+        sock, handler = self._sock, self.on_notice
+        if sock is None or handler is None or self._notices_off:
+            return
+        try:
+            # The socket has a timeout, so recv would wait for data: poll first (poll, not
+            # select, which fails on descriptors above 1023).
+            poller = select.poll()
+            poller.register(sock, select.POLLIN)
+            for _ in range(NOTICE_READS):
+                if not poller.poll(0):
+                    return
+                data = sock.recv(65536)
+                if not data:
+                    return      # the agent closed; the next send notices and reconnects
+                try:
+                    payloads = self._notice_reader.feed(data)
+                except events.EventError:
+                    self.notices["oversized"] += 1
+                    self._notices_off = True
+                    return
+                for payload in payloads:
+                    notice = events.decode_notice(payload)
+                    if notice is None:
+                        self.notices["malformed"] += 1
+                        continue
+                    self.notices["read"] += 1
+                    try:
+                        handler(notice)
+                    except Exception:
+                        self.notices["errors"] += 1
+        except (OSError, ValueError):
+            return
 
     def _linger(self) -> None:
         # Wait LINGER before sending, so that one wake-up and one sendall serve many saves:
@@ -293,6 +349,8 @@ class Emitter:
             self._backoff = min(self._backoff * 2, BACKOFF_MAX)
             return False
         self._sock = sock
+        self._notice_reader = events.FrameReader(events.MAX_NOTICE_BYTES)
+        self._notices_off = False
         self._unreachable = False
         self._backoff = BACKOFF_MIN
         return True

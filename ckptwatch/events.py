@@ -84,6 +84,25 @@ rejects only these (as "incomplete") and counts them.
 
 Optional fields may be absent; unknown extra fields are ignored (forward compatible within a
 version). A writer is identified by (node, pid).
+
+  notices      true  (start, optional) this process reads notices on its connection (the
+                     warn policy); an agent sends none to a connection that never said so
+
+Notices: agent -> hook, on the same connection (the only bytes an agent ever sends). Same
+framing, payload at most MAX_NOTICE_BYTES. Sent when the agent reports a collision, a redundant
+write or a hazard involving a writer whose connection is still open and asked for notices; the
+agent never waits for a slow reader (a notice that does not fit the socket buffer is dropped).
+The hook must survive anything here: decode_notice() returns None for whatever is not a valid
+notice, and a frame over the limit ends notice reading on that connection.
+
+  v            int   NOTICE_VERSION (a notice of another version is ignored)
+  type         str   "notice"
+  kind         str   "concurrent" | "redundant" | "hazard" (others may come: shown as given)
+  path         str   the checkpoint path concerned (at most MAX_NOTICE_TEXT characters)
+  site         str|null  the recipient's own call site "file:line" for this path
+  others       list  at most MAX_NOTICE_OTHERS writers, each {"rank": int|null,
+                     "pid": int|null, "node": str|null, "site": str|null}
+  id           str|null  the collision's id in the agent's journal
 """
 from __future__ import annotations
 
@@ -95,6 +114,11 @@ SCHEMA_VERSION = 1
 MAX_FRAME_BYTES = 64 * 1024
 HEADER = struct.Struct(">I")
 
+
+NOTICE_VERSION = 1
+MAX_NOTICE_BYTES = 4096
+MAX_NOTICE_OTHERS = 16
+MAX_NOTICE_TEXT = 1024
 
 # Reasons an event is rejected; the agent exports them as ckptwatch_events_rejected_total{reason}.
 REJECT_MALFORMED = "malformed"          # not UTF-8 JSON, or not a JSON object
@@ -409,3 +433,42 @@ class FrameReader:
 
     def pending(self) -> bool:
         return bool(self._buf)
+
+
+def _short_text(value) -> bool:
+    return type(value) is str and len(value) <= MAX_NOTICE_TEXT
+
+
+def _opt_text(value) -> bool:
+    return value is None or _short_text(value)
+
+
+def _opt_int(value) -> bool:
+    return value is None or type(value) is int
+
+
+def decode_notice(payload: bytes) -> dict | None:
+    """A valid notice (see module doc) from one frame's payload, else None. Never raises."""
+    try:
+        if len(payload) > MAX_NOTICE_BYTES:
+            return None
+        notice = json.loads(payload.decode("utf-8"))
+        if not (type(notice) is dict and notice.get("v") == NOTICE_VERSION
+                and type(notice.get("v")) is int and notice.get("type") == "notice"
+                and _short_text(notice.get("kind")) and _short_text(notice.get("path"))
+                and _opt_text(notice.get("site")) and _opt_text(notice.get("id"))):
+            return None
+        others = notice.get("others", [])
+        if type(others) is not list or len(others) > MAX_NOTICE_OTHERS:
+            return None
+        for other in others:
+            if not (type(other) is dict and _opt_int(other.get("rank"))
+                    and _opt_int(other.get("pid")) and _opt_text(other.get("node"))
+                    and _opt_text(other.get("site"))):
+                return None
+        return {"kind": notice["kind"], "path": notice["path"], "site": notice.get("site"),
+                "id": notice.get("id"),
+                "others": [{k: o.get(k) for k in ("rank", "pid", "node", "site")}
+                           for o in others]}
+    except Exception:       # RecursionError, MemoryError on a hostile frame, ...
+        return None

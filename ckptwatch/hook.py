@@ -40,9 +40,13 @@ Choices and limits:
 - Nested calls (our wrapper reached again inside a save on the same thread, e.g. through a
   third-party wrapper around ours, or a signal handler that saves while a save is running)
   pass straight through: the outer save is the one reported.
-- CKPTWATCH_DISABLE=1 makes install() a no-op. CKPTWATCH_POLICY: only `observe` (the default)
-  is implemented; `warn` and `atomic` are accepted and treated as `observe` for now (see
-  policy()), so setting them never breaks a job.
+- CKPTWATCH_DISABLE=1 makes install() a no-op.
+- CKPTWATCH_POLICY (read once, at install()): `observe` (the default) only reports; `atomic`
+  also makes every save to a path a temporary file renamed into place (ckptwatch.atomic);
+  `warn` also warns in the training process at the first unsafe save of each call site
+  (ckptwatch.policy). `atomic,warn` does both. An unknown value acts as observe, so a typo
+  never breaks a job. The events are the same under every policy: an atomic save is reported
+  on the user's path, from before the temporary file is made until after the rename.
 """
 from __future__ import annotations
 
@@ -54,6 +58,7 @@ import threading
 import time
 import weakref
 
+from ckptwatch import atomic as _atomic_mod
 from ckptwatch import emitter as _emitter_mod
 from ckptwatch import events
 from ckptwatch import paths
@@ -62,7 +67,7 @@ from ckptwatch.identity import identity
 
 MARKER = "__ckptwatch_original__"
 POLICY_ENV = "CKPTWATCH_POLICY"
-IMPLEMENTED_POLICIES = ("observe",)
+IMPLEMENTED_POLICIES = ("observe", "warn", "atomic")
 
 # The call site skips frames of this package (hook, emitter, bootstrap...): everything in it is
 # our machinery. Programs that ship with the agent (monitor/cli/demo_job.py) are user code.
@@ -80,13 +85,19 @@ _wrappers: list = []              # every wrapper we made: the marker alone is n
 _internal_code: dict = {}         # code object -> True if it belongs to torch or ckptwatch
 _torch_dir: str | None = None
 _counters = {"reported": 0, "coalesced": 0, "unreported": 0, "errors": 0}
+_atomic = None                    # ckptwatch.atomic.save under the atomic policy, else None
 
 
 def policy(environ=None) -> str:
-    """The effective policy. warn/atomic are not implemented yet and act as observe."""
+    """The effective policy: "observe", "warn", "atomic" or "atomic,warn".
+
+    CKPTWATCH_POLICY is one name or several joined by "," or "+"; unknown names are ignored
+    (they act as observe), so a typo never breaks a job.
+    """
     env = os.environ if environ is None else environ
-    requested = env.get(POLICY_ENV, "observe").strip().lower() or "observe"
-    return requested if requested in IMPLEMENTED_POLICIES else "observe"
+    requested = env.get(POLICY_ENV, "observe").strip().lower().replace("+", ",")
+    chosen = {name.strip() for name in requested.split(",")} & {"warn", "atomic"}
+    return ",".join(sorted(chosen)) or "observe"
 
 
 def stats() -> dict:
@@ -110,11 +121,17 @@ def _make_wrapper(original):
         except Exception:
             _counters["errors"] += 1
             pending = None
+        atomic = _atomic
         if pending is None:
+            if atomic is not None:
+                return atomic(original, args, kwargs)
             return original(*args, **kwargs)
         _local.busy = True
         try:
-            result = original(*args, **kwargs)
+            if atomic is None:
+                result = original(*args, **kwargs)
+            else:
+                result = atomic(original, args, kwargs)
         except BaseException as exc:
             _local.busy = False
             _finish(pending, type(exc).__name__)
@@ -152,7 +169,7 @@ def install() -> bool:
     False when disabled (CKPTWATCH_DISABLE), when already installed, or when torch is not
     imported yet — then the patch is applied by the post-import hook as soon as it is.
     """
-    global _active, _torch_dir
+    global _active, _torch_dir, _atomic
     if paths.disabled():
         return False
     torch = sys.modules.get("torch")
@@ -162,7 +179,15 @@ def install() -> bool:
         bootstrap.watch_torch_import()
         return False
     with _install_lock:
-        policy()  # read once so a bad value shows up here, not on the save path
+        chosen = policy()       # read once, here, not on the save path
+        if "atomic" in chosen:
+            _atomic_mod.configure()
+            _atomic = _atomic_mod.save
+        else:
+            _atomic = None
+        if "warn" in chosen:
+            from ckptwatch import policy as _policy_mod
+            _policy_mod.enable()
         _torch_dir = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
         patched = False
         for module, attr in ((torch, "save"), (serialization, "save")):
@@ -344,9 +369,18 @@ def _common_members(pending) -> tuple:
     return last[1:]
 
 
+_start_extra = ""       # ',"notices":true' under the warn policy (see want_notices)
+
+
+def want_notices() -> None:
+    """Mark every start event from now on as "this process reads notices" (events.py)."""
+    global _start_extra
+    _start_extra = ',"notices":true'
+
+
 def _start_frame(pending) -> bytes:
-    return events.frame(('{"v":%d,"type":"start",%s,"wall":%s,"mono":%s}' % (
-        (SCHEMA_VERSION,) + _common_members(pending))).encode("ascii"))
+    return events.frame(('{"v":%d,"type":"start",%s,"wall":%s,"mono":%s%s}' % (
+        (SCHEMA_VERSION,) + _common_members(pending) + (_start_extra,))).encode("ascii"))
 
 
 _STAT_LATER = object()   # size placeholder: the sender thread stats the path (see _finish)

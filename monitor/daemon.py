@@ -35,6 +35,7 @@ from monitor.detect.sizes import SizeHistory
 from monitor.fs.source import FILE_CHANGED, FILE_CLOSED, FileNotice, FsSource
 from monitor.ingest import SENDER, IngestError, IngestServer
 from ckptwatch.events import JOB_SCOPE_TYPES
+from monitor.notices import notices_for
 from monitor.verify.worker import Verification, Verifier, VerifySchedule
 
 log = logging.getLogger("ckptwatch.agent")
@@ -355,6 +356,20 @@ class Agent:
                 if not self._stopping:
                     self.checks.collided(item)
                 self.exporters.publish_collision(item)
+                self.notify(item.to_record())
+            elif isinstance(item, Finding):
+                self.exporters.publish_finding(item)
+                if item.to_record().get("type") == "hazard":
+                    self.notify(item.to_record())
+
+    def notify(self, record: dict) -> None:
+        """Tell the local writers of a collision or hazard record, on their open connections
+        that asked for it (the warn policy: monitor.notices, ingest.notify)."""
+        try:
+            for pid, frame in notices_for(record, self.config.node):
+                self.ingest.notify(pid, frame)
+        except Exception:
+            log.exception("building notices failed")
 
     def hook_batch(self, batch: list[dict]) -> None:
         self.state.event_received(len(batch))
@@ -395,7 +410,7 @@ class Agent:
         elif kind == "hazard":
             finding = self.job_scope.hazard(event)
             if finding is not None:
-                self.exporters.publish_finding(finding)
+                self.publish([finding])        # exported, and noticed to its writer (warn)
         else:
             self.state.job_scope(event.get("job") or "", event["state"])
             self.job_scope.state_reported(event)

@@ -27,6 +27,14 @@ Callbacks run on the server thread: on_event(event) for every valid event, on_re
 With on_events(list) instead, valid events come in one list per socket read: one hand-off
 per few hundred events is what lets the agent keep up at tens of thousands of events/s.
 
+Notices (the one thing the agent sends back): notify(pid, frame) queues a notice frame for
+the open connections of `pid` that asked for notices (a start event with "notices": true;
+ckptwatch/events.py). The server thread sends them — it owns the sockets, so a connection
+closed meanwhile is never written to under a recycled fd — with a non-blocking send: a notice
+that does not fit the peer's socket buffer is dropped and counted, and a partly sent one is
+finished before any other (at most one frame waits per connection), so the agent never waits
+on a hook that does not read. The queue is bounded (MAX_NOTICES; beyond, dropped and counted).
+
 Back-pressure: with backlog() and max_backlog, the server stops reading while the consumer
 has more than max_backlog events waiting. The senders' sockets then fill, their background
 threads wait, and their bounded queues drop and count — the agent's memory stays bounded and
@@ -43,6 +51,7 @@ import stat
 import struct
 import threading
 import time
+from collections import deque
 from typing import Callable
 
 from ckptwatch import events, paths
@@ -57,6 +66,7 @@ _CRED_SPACE = socket.CMSG_SPACE(_PEERCRED.size)    # room for one SCM_CREDENTIAL
 _CHUNK = 256 * 1024                 # bytes per recv: thousands of small events per syscall
 _READS_PER_TURN = 8                 # then serve other connections (fairness)
 _BACKLOG = 4096                     # the kernel caps it at net.core.somaxconn
+MAX_NOTICES = 256                   # notice frames waiting for the server thread
 # Agent-side field set on every accepted event: the sender's credentials (monitor.sender), from
 # the kernel, never from the wire (a client's own field of this name is overwritten).
 SENDER = "agent_sender"
@@ -92,7 +102,7 @@ JOB_SCOPE_BURST = 512.0
 
 class _Conn:
     __slots__ = ("sock", "pid", "uid", "ns_pid", "sender", "reader", "last_active",
-                 "partial_since", "tokens", "tokens_at")
+                 "partial_since", "tokens", "tokens_at", "wants_notices", "unsent")
 
     def __init__(self, sock: socket.socket, pid: int, uid: int, gid: int, now: float):
         self.sock = sock
@@ -109,6 +119,8 @@ class _Conn:
         self.partial_since: float | None = None  # when the unfinished frame buffered began
         self.tokens = JOB_SCOPE_BURST            # job-scope events this connection may send
         self.tokens_at = now
+        self.wants_notices = False           # a start event said "notices": true
+        self.unsent = b""                    # the rest of a partly sent notice frame
 
     def take_token(self, now: float) -> bool:
         self.tokens = min(JOB_SCOPE_BURST, self.tokens + (now - self.tokens_at) * JOB_SCOPE_RATE)
@@ -168,6 +180,9 @@ class IngestServer:
         # _accept and _sweep_stalled); exported as ckptwatch_ingest_connections_*_total.
         self.refused: dict[str, int] = {reason: 0 for reason in REFUSE_REASONS}
         self.evicted: dict[str, int] = {reason: 0 for reason in EVICT_REASONS}
+        # Notices (see module doc): waiting frames, and what became of them.
+        self._notices: deque = deque()
+        self.notices: dict[str, int] = {"sent": 0, "dropped": 0, "no_reader": 0}
 
     # --- lifecycle ---------------------------------------------------------------------------
 
@@ -242,6 +257,17 @@ class IngestServer:
     def alive(self) -> bool:
         """True while the server thread runs; /healthz reports unhealthy otherwise."""
         return self._thread is not None and self._thread.is_alive()
+
+    def notify(self, pid: int, frame: bytes) -> None:
+        """Queue a notice frame for `pid`'s connections (any thread; see module doc)."""
+        if len(self._notices) >= MAX_NOTICES:
+            self.notices["dropped"] += 1
+            return
+        self._notices.append((pid, frame))
+        try:
+            self._wake_w.send(b"n")
+        except (OSError, AttributeError):
+            pass        # not serving (stopped): the frame is dropped with the server
 
     # --- socket path -------------------------------------------------------------------------
 
@@ -367,6 +393,11 @@ class IngestServer:
                     self._unexpected("connection handling failed")
                     if key.data is not None:
                         self._close(key.data)
+            if self._notices:
+                try:
+                    self._send_notices()
+                except Exception:
+                    self._unexpected("sending notices failed")
             now = self._clock()
             if now >= next_sweep:
                 next_sweep = now + select_timeout
@@ -376,9 +407,44 @@ class IngestServer:
                 except Exception:
                     self._unexpected("connection sweep failed")
 
+    def _send_notices(self) -> None:
+        while self._notices:
+            pid, frame = self._notices.popleft()
+            targets = [c for c in self._conns.values() if c.pid == pid and c.wants_notices]
+            if not targets:
+                self.notices["no_reader"] += 1
+            for conn in targets:
+                self._send_notice(conn, frame)
+
+    def _send_notice(self, conn: _Conn, frame: bytes) -> None:
+        # A partly sent frame goes first, or the hook's stream would no longer be frames.
+        if conn.unsent:
+            rest = self._send_some(conn, conn.unsent)
+            conn.unsent = rest or b""
+            if rest is None or rest:
+                self.notices["dropped"] += 1
+                return
+        rest = self._send_some(conn, frame)
+        if rest is None or len(rest) == len(frame):
+            self.notices["dropped"] += 1
+            return
+        conn.unsent = rest
+        self.notices["sent"] += 1
+
+    @staticmethod
+    def _send_some(conn: _Conn, data: bytes) -> bytes | None:
+        """What is left of `data` after one non-blocking send; None if the socket failed."""
+        try:
+            sent = conn.sock.send(data, socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL)
+        except (BlockingIOError, InterruptedError):
+            return data
+        except OSError:
+            return None     # the peer is gone; the read side notices and closes it
+        return data[sent:]
+
     def _drain_wakeup(self) -> None:
         try:
-            self._wake_r.recv(64)
+            self._wake_r.recv(4096)
         except BlockingIOError:
             pass
 
@@ -525,6 +591,10 @@ class IngestServer:
                 continue
             if "source" in event:
                 del event["source"]     # the socket speaks for the hook only: no claiming "fs"
+            if "notices" in event:
+                if event["notices"] is True:
+                    conn.wants_notices = True
+                del event["notices"]    # a connection property, not the write's
             event[SENDER] = conn.sender
             good.append(event)
         if not good:

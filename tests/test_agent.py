@@ -484,3 +484,41 @@ sys.stdin.read()
         finally:
             flooder.stdin.close()
             flooder.wait(10)
+
+
+@pytest.mark.e2e
+def test_a_hazard_is_noticed_to_the_hook_that_asked(workdir):
+    """warn policy + job scope: a hazard event from a hook that asked for notices comes back
+    to it as a notice of kind "hazard" (the agent publishes hazards like every finding)."""
+    code = r'''
+import json, os, socket, sys, time
+from ckptwatch import events
+s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+s.connect(sys.argv[1])
+base = {"v": 1, "node": "n", "pid": os.getpid(), "path": "/shared/ckpt/last.pt",
+        "rank": 2, "local_rank": 0, "world_size": 4, "job": "hz", "master": "10.0.0.1:29500",
+        "restart": 0, "site": "train.py:7", "func": "save"}
+s.sendall(events.encode({**base, "type": "start", "seq": 1, "wall": time.time(),
+                         "mono": time.monotonic(), "notices": True}))
+s.sendall(events.encode({**base, "type": "hazard", "seq": 1, "kind": "local_rank_guard",
+                         "shared": "CKPTWATCH_SHARED_PATHS", "ranks": [2], "nodes": ["n"],
+                         "wall": time.time()}))
+reader = events.FrameReader(events.MAX_NOTICE_BYTES)
+s.settimeout(20)
+frames = []
+while not frames:
+    data = s.recv(65536)
+    if not data:
+        break
+    frames += reader.feed(data)
+print(json.dumps([events.decode_notice(f) for f in frames]))
+'''
+    from helpers import subprocess_env
+    with start_agent(workdir, *FAST) as agent:
+        out = subprocess.run([sys.executable, "-c", code, agent.socket], env=subprocess_env(),
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        import json
+        (notice,) = json.loads(out.stdout)
+        assert notice["kind"] == "hazard" and notice["path"] == "/shared/ckpt/last.pt"
+        assert notice["site"] == "train.py:7"

@@ -357,16 +357,44 @@ def test_disabled_install_is_a_no_op(rx, sock, workdir):
     assert rx.events == []
 
 
-def test_policy_warn_and_atomic_act_as_observe(rx, sock, workdir):
+def test_policy_names_are_parsed_and_unknown_ones_act_as_observe():
+    from ckptwatch import hook
+    assert hook.policy({}) == "observe"
+    assert hook.policy({"CKPTWATCH_POLICY": " Atomic "}) == "atomic"
+    assert hook.policy({"CKPTWATCH_POLICY": "warn+atomic"}) == "atomic,warn"
+    assert hook.policy({"CKPTWATCH_POLICY": "atomic,warn"}) == "atomic,warn"
+    assert hook.policy({"CKPTWATCH_POLICY": "atomc"}) == "observe"
+
+
+def test_atomic_policy_reports_the_users_path_around_the_whole_atomic_save(rx, sock, workdir):
     result = run_script(workdir, """
-        import json, torch, ckptwatch
-        from ckptwatch import hook
+        import json, os, torch, ckptwatch
+        from ckptwatch import atomic, hook
         ok = ckptwatch.install()
-        torch.save(1, "x.pt")
-        print(json.dumps({"ok": ok, "policy": hook.policy()}))
+        torch.save({"w": torch.ones(100)}, "x.pt")
+        print(json.dumps({"ok": ok, "policy": hook.policy(), "atomic": atomic.stats()["atomic"],
+                          "files": sorted(os.listdir(".")), "size": os.path.getsize("x.pt")}))
         """, sock, CKPTWATCH_POLICY="atomic")
-    assert result == {"ok": True, "policy": "observe"}
-    assert rx.wait_count("end", 1)[0]["outcome"] == "ok"
+    assert result["ok"] is True and result["policy"] == "atomic" and result["atomic"] == 1
+    assert result["files"] == ["child.py", "x.pt"]
+    (start,) = rx.wait_count("start", 1)
+    (end,) = rx.wait_count("end", 1)
+    path = os.path.join(workdir, "x.pt")
+    assert start["path"] == end["path"] == path
+    assert end["outcome"] == "ok" and end["bytes"] == result["size"]
+
+
+@pytest.mark.parametrize("chosen, asks", [("warn", True), ("atomic,warn", True),
+                                           ("observe", False)])
+def test_only_the_warn_policy_asks_the_agent_for_notices(rx, sock, workdir, chosen, asks):
+    run_script(workdir, """
+        import json, torch, ckptwatch
+        ckptwatch.install()
+        torch.save(1, "x.pt")
+        print(json.dumps({}))
+        """, sock, CKPTWATCH_POLICY=chosen)
+    (start,) = rx.wait_count("start", 1)
+    assert start.get("notices", False) is asks
 
 
 def test_from_torch_import_save_before_install_keeps_the_original(rx, sock, workdir):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -31,6 +32,8 @@ def parse_args(argv=None):
     p.add_argument("--saves", type=int, default=1, help="checkpoints to save (one per epoch)")
     p.add_argument("--width", type=int, default=1024,
                    help="hidden width; the model has ~2*width^2 parameters (1024 -> 8 MiB)")
+    p.add_argument("--pause", type=float, default=0.0,
+                   help="seconds each rank keeps running after each save (as training goes on)")
     return p.parse_args(argv)
 
 
@@ -88,6 +91,8 @@ def main(argv=None) -> int:
         dist.barrier()
         save_checkpoint(state, args, rank, local_rank)
         dist.barrier()
+        if args.pause:
+            time.sleep(args.pause)
     dist.destroy_process_group()
     return 0
 
