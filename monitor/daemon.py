@@ -446,8 +446,15 @@ class Agent:
                     elif item.kind == FILE_CHANGED:
                         checks.write_started(item.path, watched=True)
                 else:                                   # a start or end event
-                    if item["type"] == "start" and checks is not None:
-                        checks.write_started(item["path"], watched=True)
+                    if checks is not None:
+                        if item["type"] == "start":
+                            checks.write_started(item["path"], watched=True)
+                        else:
+                            # The start of a write can arrive after its close notice (the
+                            # fanotify and inotify queues are separate) and after the hook's
+                            # report of it: its own end, which always follows it, makes the
+                            # path due again, or a start would hold it forever.
+                            checks.file_closed(item["path"])
                     self.merger.fs_event(item)
         forward, seen = self.merger.due()
         for event in forward:
