@@ -31,6 +31,12 @@ Measured for each phase from /proc/<agent pid>: CPU (utime+stime delta, every th
 watcher, verifier, HTTP), RSS (VmRSS sampled every second: median = steady, max) and peak
 RSS (VmHWM, since the agent started); from its /metrics: events received, verifications,
 collisions, writes. Load average at each phase's start and end (the machine may be shared).
+
+The files go to /dev/shm by default: a mount of their own. With fanotify attribution the agent
+marks the watched directory's whole mount and reads (then drops) every other process's file
+events on it; on a busy root filesystem that costs the agent CPU in proportion to the
+mount's traffic, at rest too, whatever the training job does (bench/fanotify_cost.py
+measures it per event). --dir /tmp (or any directory on a busy mount) includes that cost.
 """
 from __future__ import annotations
 
@@ -346,7 +352,7 @@ def report(args, results, meta) -> None:
           f"{args.ranks // RANKS_PER_NODE} colliding local-rank-0 saves per round")
     print(f"agent: --watch.mode {args.watch_mode} --watch.attribution {args.attribution} "
           f"(running: {','.join(meta['attribution']) or '?'}), verification on (defaults), "
-          f"journal on, /metrics scraped every {SCRAPE_INTERVAL:g} s; files in {args.dir or '/tmp'}")
+          f"journal on, /metrics scraped every {SCRAPE_INTERVAL:g} s; files in {args.dir or tempfile.gettempdir()}")
     print(f"python {platform.python_version()}, {os.cpu_count()} cpus; ranks started in "
           f"{meta['spawn_seconds']:.0f} s (not measured)")
     print(f"\n{'phase':>8} {'secs':>5} {'saves':>6} {'saves/min':>9} {'agent cpu':>9} "
@@ -389,7 +395,9 @@ def main(argv=None) -> int:
                     choices=["inotify", "polling", "auto"])
     ap.add_argument("--watch.attribution", dest="attribution", default="auto",
                     choices=["auto", "fanotify", "proc"])
-    ap.add_argument("--dir", default=None, help="where the checkpoints go (default: /tmp)")
+    ap.add_argument("--dir", default="/dev/shm" if os.path.isdir("/dev/shm") else None,
+                    help="where the checkpoints go (default /dev/shm: a mount of their own, so "
+                         "a fanotify mount mark sees only these files; see the docstring)")
     ap.add_argument("--json", action="store_true", help="also print the results as JSON")
     args = ap.parse_args(argv)
     need = args.ranks * 200 * 1024 * 1024
