@@ -17,7 +17,7 @@ every 15 s as Prometheus would. Then:
             optimizer state, RNG state, step); not measured;
   typical   every rank saves once a minute (--typical seconds, period 60 s);
   heavy     every rank saves every 10 s (--heavy seconds, period 10 s);
-  drain     nothing writes; verification finishes what is left (at most 30 s).
+  drain     nothing writes; verification finishes what is left (at most 60 s).
 
 A save round is what a real job does at a checkpoint step: all ranks save at once (each
 within a random 0-1 s of the round's start, as ranks leave the step's barrier), rank r to its
@@ -85,12 +85,12 @@ def rank_main(rank: int, ranks: int, size_mib: float, outdir: str) -> int:
     local_rank0 = rank % RANKS_PER_NODE == 0
     rng = random.Random(rank)
     print("ready", flush=True)
-    saves = 0
     for line in sys.stdin:
         cmd = line.split()
         if not cmd or cmd[0] != "run":
             break
         t0, period, rounds = float(cmd[1]), float(cmd[2]), int(cmd[3])
+        saves = 0
         for k in range(rounds):
             start = t0 + k * period
             _sleep_until(start)
@@ -211,58 +211,90 @@ class Phase:
 
 # ---- the writers -------------------------------------------------------------------------
 
+class _Rank:
+    """The bench's end of one rank's pipes (its stdin and stdout)."""
+
+    def __init__(self, stdin, stdout):
+        self.stdin, self.stdout = stdin, stdout
+
+
 class Ranks:
-    def __init__(self, n: int, size_mib: float, outdir: str, socket: str):
+    """The writer processes. spawn "exec": a fresh Python per rank, as torchrun starts its
+    workers (each imports torch: ~150 MiB private memory and ~1 CPU-second each). spawn
+    "fork": one instrumented Python imports torch, then forks a child per rank, which sets
+    its RANK, LOCAL_RANK and GROUP_RANK in os.environ before its first save (the hook reads
+    them then); each child is a process of its own (own pid, own hook connection, own state
+    dict), but /proc/<pid>/environ, where the watcher reads ranks from, shows the parent's
+    environment, so fs-only records carry no rank. Same agent work; seconds to start instead
+    of minutes on a loaded 2-CPU machine."""
+
+    def __init__(self, n: int, size_mib: float, outdir: str, socket: str, spawn: str):
         from monitor.cli.run import build_env
         base = dict(os.environ)
         base["PYTHONPATH"] = os.pathsep.join([_REPO] + [p for p in
                                               base.get("PYTHONPATH", "").split(os.pathsep) if p])
         base = build_env(base, socket)
         base.pop("CKPTWATCH_DISABLE", None)
-        self.procs = []
+        base.update(WORLD_SIZE=str(n), LOCAL_WORLD_SIZE=str(RANKS_PER_NODE),
+                    TORCHELASTIC_RUN_ID=JOB_ID, OMP_NUM_THREADS="1")
+        self.procs: list[subprocess.Popen] = []
+        self.ranks: list[_Rank] = []
+        me = os.path.abspath(__file__)
+        if spawn == "exec":
+            for r in range(n):
+                p = subprocess.Popen([sys.executable, me, "--rank-child", str(r), str(n),
+                                      str(size_mib), outdir],
+                                     env=dict(base, **rank_env(r)), stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True, bufsize=1)
+                self.procs.append(p)
+                self.ranks.append(_Rank(p.stdin, p.stdout))
+            return
+        child_fds = []
         for r in range(n):
-            env = dict(base, RANK=str(r), LOCAL_RANK=str(r % RANKS_PER_NODE),
-                       WORLD_SIZE=str(n), LOCAL_WORLD_SIZE=str(RANKS_PER_NODE),
-                       GROUP_RANK=str(r // RANKS_PER_NODE), TORCHELASTIC_RUN_ID=JOB_ID,
-                       OMP_NUM_THREADS="1")
-            self.procs.append(subprocess.Popen(
-                [sys.executable, os.path.abspath(__file__), "--rank-child", str(r), str(n),
-                 str(size_mib), outdir],
-                env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1))
+            r_in, w_in = os.pipe()
+            r_out, w_out = os.pipe()
+            child_fds += [r_in, w_out]
+            self.ranks.append(_Rank(os.fdopen(w_in, "w", buffering=1),
+                                    os.fdopen(r_out, "r", buffering=1)))
+        self.procs.append(subprocess.Popen(
+            [sys.executable, me, "--zygote", str(n), str(size_mib), outdir,
+             ",".join(map(str, child_fds))], env=base, pass_fds=child_fds))
+        for fd in child_fds:
+            os.close(fd)
 
     def expect(self, word: str, timeout: float) -> list[str]:
         """One line from every rank, each starting with word."""
         lines, deadline = [], time.monotonic() + timeout
-        for p in self.procs:
+        for rank in self.ranks:
             while True:
                 left = deadline - time.monotonic()
-                if left <= 0 or p.poll() is not None and not select.select([p.stdout], [], [], 0)[0]:
-                    raise RuntimeError(f"rank pid {p.pid} did not say {word!r} "
-                                       f"(exit code {p.poll()})")
-                if select.select([p.stdout], [], [], min(left, 1.0))[0]:
-                    line = p.stdout.readline().strip()
-                    if line.startswith(word):
-                        lines.append(line)
-                        break
+                if left <= 0:
+                    raise RuntimeError(f"a rank did not say {word!r} in {timeout:g} s")
+                if select.select([rank.stdout], [], [], min(left, 1.0))[0]:
+                    line = rank.stdout.readline()
                     if not line:
-                        raise RuntimeError(f"rank pid {p.pid} exited ({p.poll()})")
+                        raise RuntimeError(f"a rank exited before saying {word!r}")
+                    if line.startswith(word):
+                        lines.append(line.strip())
+                        break
         return lines
 
     def run(self, period: float, rounds: int) -> int:
         """All ranks save `rounds` rounds, `period` apart, from 1 s from now; saves made."""
         t0 = time.monotonic() + 1.0
-        for p in self.procs:
-            p.stdin.write(f"run {t0} {period} {rounds}\n")
-            p.stdin.flush()
+        for rank in self.ranks:
+            rank.stdin.write(f"run {t0} {period} {rounds}\n")
+            rank.stdin.flush()
         done = self.expect("done", timeout=rounds * period + 120)
         return sum(int(line.split()[1]) for line in done)
 
     def close(self) -> None:
-        for p in self.procs:
-            try:
-                p.stdin.close()
-            except OSError:
-                pass
+        for rank in self.ranks:
+            for f in (rank.stdin, rank.stdout):
+                try:
+                    f.close()
+                except OSError:
+                    pass
         deadline = time.monotonic() + 30
         for p in self.procs:
             try:
@@ -270,6 +302,41 @@ class Ranks:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+
+
+def rank_env(r: int) -> dict[str, str]:
+    return {"RANK": str(r), "LOCAL_RANK": str(r % RANKS_PER_NODE),
+            "GROUP_RANK": str(r // RANKS_PER_NODE)}
+
+
+def zygote_main(n: int, size_mib: float, outdir: str, fds: list[int]) -> int:
+    """Import torch once (the hook patches it), then fork a child per rank on its pipes."""
+    import torch  # noqa: F401
+    children = []
+    for r in range(n):
+        pid = os.fork()
+        if pid == 0:
+            try:
+                os.dup2(fds[2 * r], 0)
+                os.dup2(fds[2 * r + 1], 1)
+                for fd in fds:
+                    os.close(fd)
+                sys.stdin = open(0, "r", closefd=False)
+                sys.stdout = open(1, "w", buffering=1, closefd=False)
+                os.environ.update(rank_env(r))
+                code = rank_main(r, n, size_mib, outdir)
+            except BaseException:
+                import traceback
+                traceback.print_exc()
+                code = 1
+            os._exit(code)
+        children.append(pid)
+    for fd in fds:
+        os.close(fd)
+    failed = 0
+    for pid in children:
+        failed += os.waitpid(pid, 0)[1] != 0
+    return 1 if failed else 0
 
 
 # ---- the run -----------------------------------------------------------------------------
@@ -301,7 +368,7 @@ def run(args) -> list[dict]:
             results.append(phase.end())
 
             t_spawn = time.monotonic()
-            ranks = Ranks(args.ranks, args.size, outdir, agent.socket)
+            ranks = Ranks(args.ranks, args.size, outdir, agent.socket, args.spawn)
             ranks.expect("ready", timeout=600)
             spawn_s = time.monotonic() - t_spawn
             time.sleep(2.0)
@@ -318,12 +385,12 @@ def run(args) -> list[dict]:
                 _sleep_until(phase.t0 + 1.0 + rounds * period)
                 results.append(phase.end(saves))
 
-            # Drain: until no verification finished for 3 s (at most 30 s).
+            # Drain: until no verification finished for 6 s (at most 60 s).
             phase = Phase("drain", agent, sampler).begin()
             expected = sum(r["saves"] for r in results)
-            deadline, last = time.monotonic() + 30, counters(agent)["verifications"]
+            deadline, last = time.monotonic() + 60, counters(agent)["verifications"]
             while time.monotonic() < deadline:
-                time.sleep(3.0)
+                time.sleep(6.0)
                 now = counters(agent)["verifications"]
                 if now == last:
                     break
@@ -347,7 +414,8 @@ def run(args) -> list[dict]:
 def report(args, results, meta) -> None:
     import platform
     mib = 1024 * 1024
-    print(f"ckptwatch capacity: {args.ranks} ranks (fresh Python processes, hook via "
+    how = "fresh Python processes" if args.spawn == "exec" else "processes forked after importing torch"
+    print(f"ckptwatch capacity: {args.ranks} ranks ({how}, hook via "
           f"`ckptwatch run` environment), {args.size:g} MiB torch checkpoint per save, "
           f"{args.ranks // RANKS_PER_NODE} colliding local-rank-0 saves per round")
     print(f"agent: --watch.mode {args.watch_mode} --watch.attribution {args.attribution} "
@@ -382,6 +450,9 @@ def main(argv=None) -> int:
     if argv is None and len(sys.argv) > 1 and sys.argv[1] == "--rank-child":
         rank, ranks, size, outdir = sys.argv[2:6]
         return rank_main(int(rank), int(ranks), float(size), outdir)
+    if argv is None and len(sys.argv) > 1 and sys.argv[1] == "--zygote":
+        ranks, size, outdir, fds = sys.argv[2:6]
+        return zygote_main(int(ranks), float(size), outdir, [int(f) for f in fds.split(",")])
     ap = argparse.ArgumentParser(description=__doc__, allow_abbrev=False,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ranks", type=int, default=64, help="writer processes (default 64)")
@@ -398,9 +469,12 @@ def main(argv=None) -> int:
     ap.add_argument("--dir", default="/dev/shm" if os.path.isdir("/dev/shm") else None,
                     help="where the checkpoints go (default /dev/shm: a mount of their own, so "
                          "a fanotify mount mark sees only these files; see the docstring)")
+    ap.add_argument("--spawn", choices=["fork", "exec"], default="fork",
+                    help="fork: ranks forked from one Python that imported torch (default); "
+                         "exec: a fresh Python per rank (minutes to start on 2 CPUs)")
     ap.add_argument("--json", action="store_true", help="also print the results as JSON")
     args = ap.parse_args(argv)
-    need = args.ranks * 200 * 1024 * 1024
+    need = args.ranks * (200 if args.spawn == "exec" else 40) * 1024 * 1024
     if mem_available() < need:
         print(f"capacity: {args.ranks} ranks need ~{need >> 30} GiB free (each imports torch); "
               f"{mem_available() >> 20} MiB available. Use --ranks.", file=sys.stderr)
