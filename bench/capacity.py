@@ -373,6 +373,7 @@ def run(args) -> list[dict]:
             spawn_s = time.monotonic() - t_spawn
             time.sleep(2.0)
 
+            total_rounds = 0
             for name, period, seconds in (("typical", 60.0, args.typical),
                                           ("heavy", 10.0, args.heavy)):
                 if seconds <= 0:
@@ -384,6 +385,7 @@ def run(args) -> list[dict]:
                 # period of the last round, as a job that keeps going would.
                 _sleep_until(phase.t0 + 1.0 + rounds * period)
                 results.append(phase.end(saves))
+                total_rounds += rounds
 
             # Drain: until no verification finished for 6 s (at most 60 s).
             phase = Phase("drain", agent, sampler).begin()
@@ -399,7 +401,9 @@ def run(args) -> list[dict]:
             sampler.stop()
             final = agent.metrics()
             meta = {"attribution": method, "spawn_seconds": spawn_s,
-                    "saves": expected, "final": {k: final.get(v, 0.0)
+                    "saves": expected,
+                    # one verification per path per round: every shard, and last.pt once
+                    "verifications_expected": total_rounds * (args.ranks + 1), "final": {k: final.get(v, 0.0)
                                                   for k, v in COUNTERS.items()},
                     "scrapes": sampler.scrapes}
             ranks.close()
@@ -436,7 +440,8 @@ def report(args, results, meta) -> None:
               f"{r['load'][0][0]:>8.1f} - {r['load'][1][0]:.1f}")
     f = meta["final"]
     print(f"\ntotals: saves {meta['saves']}, events {f['events']:.0f}, writes {f['writes']:.0f}, "
-          f"verifications {f['verifications']:.0f}, collisions {f['collisions']:.0f}, "
+          f"verifications {f['verifications']:.0f} (one per path per round: "
+          f"{meta['verifications_expected']}), collisions {f['collisions']:.0f}, "
           f"corrupt {f['corrupt']:.0f}, rejected {f['rejected']:.0f}, dropped by hooks "
           f"{f['dropped']:.0f}, fs events lost {f['fs_lost']:.0f}, /proc attributions "
           f"{f['attributions']:.0f}, scrapes {meta['scrapes']}")
