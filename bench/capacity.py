@@ -173,6 +173,7 @@ COUNTERS = {
     "dropped": "ckptwatch_client_events_dropped_total",
     "fs_lost": "ckptwatch_fs_events_lost_total",
     "attributions": "ckptwatch_attributions_total",
+    "attribution_s": "ckptwatch_attribution_seconds_total",
 }
 
 
@@ -444,7 +445,7 @@ def report(args, results, meta) -> None:
           f"{meta['verifications_expected']}), collisions {f['collisions']:.0f}, "
           f"corrupt {f['corrupt']:.0f}, rejected {f['rejected']:.0f}, dropped by hooks "
           f"{f['dropped']:.0f}, fs events lost {f['fs_lost']:.0f}, /proc attributions "
-          f"{f['attributions']:.0f}, scrapes {meta['scrapes']}")
+          f"{f['attributions']:.0f} taking {f['attribution_s']:.1f} s, scrapes {meta['scrapes']}")
     print("(agent cpu: % of one core, every thread; ms cpu/save: agent CPU time of the phase "
           "per save; rss median/max: VmRSS sampled each second; peak: VmHWM since start)")
     if args.json:
