@@ -9,8 +9,9 @@ CRC32 check below 256 MiB, i.e. every file here), journal on, and a scraper read
 every 15 s as Prometheus would. Then:
 
   rest      the agent alone, nothing writing, --rest seconds;
-  spawn     --ranks writer processes start, each a fresh Python (as torchrun starts its
-            workers) with the `ckptwatch run` environment (monitor.cli.run.build_env: the
+  spawn     --ranks writer processes start (--spawn fork, the default: forked from one
+            Python that imported torch; --spawn exec: each a fresh Python, as torchrun starts
+            its workers; see Ranks), with the `ckptwatch run` environment (monitor.cli.run.build_env: the
             bootstrap sitecustomize patches torch.save, CKPTWATCH_SOCKET = the agent's) and
             its own RANK, LOCAL_RANK (8 ranks per simulated node), WORLD_SIZE and job id;
             each imports torch and builds a state dict of --size MiB (model tensors,
@@ -312,7 +313,7 @@ def rank_env(r: int) -> dict[str, str]:
 
 def zygote_main(n: int, size_mib: float, outdir: str, fds: list[int]) -> int:
     """Import torch once (the hook patches it), then fork a child per rank on its pipes."""
-    import torch  # noqa: F401
+    import torch  # noqa: F401  (imported once, before the forks: the point of the zygote)
     children = []
     for r in range(n):
         pid = os.fork()
