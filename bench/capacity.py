@@ -11,9 +11,9 @@ every 15 s as Prometheus would. Then:
   rest      the agent alone, nothing writing, --rest seconds;
   spawn     --ranks writer processes start (--spawn fork, the default: forked from one
             Python that imported torch; --spawn exec: each a fresh Python, as torchrun starts
-            its workers; see Ranks), with the `ckptwatch run` environment (monitor.cli.run.build_env: the
-            bootstrap sitecustomize patches torch.save, CKPTWATCH_SOCKET = the agent's) and
-            its own RANK, LOCAL_RANK (8 ranks per simulated node), WORLD_SIZE and job id;
+            its workers; see Ranks), with the `ckptwatch run` environment
+            (monitor.cli.run.build_env: the bootstrap sitecustomize patches torch.save,
+            CKPTWATCH_SOCKET = the agent's) and its own RANK, LOCAL_RANK (8 ranks per simulated node), WORLD_SIZE and job id;
             each imports torch and builds a state dict of --size MiB (model tensors,
             optimizer state, RNG state, step); not measured;
   typical   every rank saves once a minute (--typical seconds, period 60 s);
