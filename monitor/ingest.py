@@ -326,7 +326,7 @@ class IngestServer:
         select_timeout = min(1.0, self._frame_timeout / 2)
         next_sweep = self._clock() + select_timeout
         while not self._stopping.is_set():
-            if self._backlog is not None and self._backlog() > self._max_backlog:
+            if self._backed_up():
                 self._stopping.wait(0.005)      # let the consumer catch up (see module doc)
                 continue
             try:
@@ -341,7 +341,10 @@ class IngestServer:
                         self._accept()
                     elif sock is self._wake_r:
                         self._drain_wakeup()
-                    else:
+                    elif not self._backed_up():
+                        # Checked per connection (and per chunk in _read): one turn over
+                        # many busy connections must not queue past the limit. The ones
+                        # skipped are still readable and come back at the next select.
                         self._read(key.data)
                 except Exception:
                     self._unexpected("connection handling failed")
@@ -355,6 +358,9 @@ class IngestServer:
                     self._refusals.tick(now)
                 except Exception:
                     self._unexpected("connection sweep failed")
+
+    def _backed_up(self) -> bool:
+        return self._backlog is not None and self._backlog() > self._max_backlog
 
     def _drain_wakeup(self) -> None:
         try:
@@ -466,7 +472,7 @@ class IngestServer:
             elif payloads or conn.partial_since is None:
                 conn.partial_since = now
             self._deliver(conn, payloads)
-            if len(data) < _CHUNK:
+            if len(data) < _CHUNK or self._backed_up():
                 return
 
     def _foreign_writer(self, conn: _Conn, ancillary) -> bool:

@@ -319,6 +319,47 @@ def test_backlog_above_the_limit_pauses_reading_until_the_consumer_catches_up(so
         srv.stop()
 
 
+def test_backlog_limit_holds_with_many_busy_connections(sockdir, no_thread_leak):
+    """Back-pressure must bound what one turn of the server reads, not only when it starts:
+    with 12 connections each holding a full socket buffer of frames, the events handed over
+    past max_backlog are at most one read's worth (one chunk), not every connection's 8 reads
+    (the soak saw 140,000 queued events, 170 MB, at a limit of 20,000)."""
+    got, rejects = [], []
+    paused = [True]
+    asked = [0]
+
+    def consumer_backlog() -> int:      # a consumer that never takes anything
+        asked[0] += 1
+        return 10 ** 9 if paused[0] else len(got)
+
+    limit = 1000
+    srv = IngestServer(os.path.join(sockdir, "bm.sock"), None, rejects.append,
+                       on_events=got.extend, backlog=consumer_backlog, max_backlog=limit)
+    srv.start()
+    frame = events.encode(start_event())
+    socks = [connect(srv.path) for _ in range(12)]
+    try:
+        queued = 0
+        for sock in socks:              # fill every socket buffer while the server is paused
+            sock.setblocking(False)
+            try:
+                while True:
+                    queued += sock.send(frame * 64) // len(frame)
+            except BlockingIOError:
+                pass
+        assert queued > 4 * limit
+        paused[0] = False
+        wait_for(lambda: len(got) > limit, message="the server reading up to the limit")
+        seen = asked[0]
+        wait_for(lambda: asked[0] >= seen + 20, message="the server looping, backed up")
+        one_chunk = 256 * 1024 // len(frame) + 1
+        assert limit < len(got) <= limit + one_chunk, (len(got), queued)
+    finally:
+        for sock in socks:
+            sock.close()
+        srv.stop()
+
+
 def test_batched_delivery_hands_over_lists_of_valid_events_only(sockdir, no_thread_leak):
     batches, rejects = [], []
     srv = IngestServer(os.path.join(sockdir, "b.sock"), None, rejects.append,
