@@ -99,6 +99,10 @@ class _Conn:
         self.partial_since: float | None = None  # when the unfinished frame buffered began
 
 
+def _last_active(conn: _Conn) -> float:
+    return conn.last_active
+
+
 REFUSE_REASONS = ("pid_limit", "uid_limit")          # a new connection closed at once
 # An open connection closed by the agent; foreign_writer: bytes from a process other than
 # the one that connected (a forked child on an inherited connection).
@@ -334,6 +338,7 @@ class IngestServer:
             except Exception:
                 self._unexpected("select failed")
                 continue
+            readable = []
             for key, _ in ready:
                 sock = key.fileobj
                 try:
@@ -341,15 +346,24 @@ class IngestServer:
                         self._accept()
                     elif sock is self._wake_r:
                         self._drain_wakeup()
-                    elif not self._backed_up():
-                        # Checked per connection (and per chunk in _read): one turn over
-                        # many busy connections must not queue past the limit. The ones
-                        # skipped are still readable and come back at the next select.
-                        self._read(key.data)
+                    else:
+                        readable.append(key.data)
                 except Exception:
                     self._unexpected("connection handling failed")
-                    if key.data is not None:
-                        self._close(key.data)
+            # Least recently read first, and no further once backed up (checked per
+            # connection here and per chunk in _read): one turn over many busy connections
+            # must not queue past the limit, and the ones a turn skips come first in the next
+            # (epoll reports ready connections in the same order every time: without this a
+            # flood's connections would always be read first and a hook's starve).
+            readable.sort(key=_last_active)
+            for conn in readable:
+                if self._backed_up():
+                    break
+                try:
+                    self._read(conn)
+                except Exception:
+                    self._unexpected("connection handling failed")
+                    self._close(conn)
             now = self._clock()
             if now >= next_sweep:
                 next_sweep = now + select_timeout
