@@ -42,7 +42,9 @@ log = logging.getLogger("ckptwatch.agent")
 
 TICK_SECONDS = 0.2          # detector.tick() cadence: settles collisions, expires old writes
 BATCH = 4096                # events taken from the queue per turn
-MAX_BACKLOG = 20_000        # events waiting before ingest stops reading (~40 MB, ~0.5 s of flood)
+MAX_BACKLOG = 8192         # events waiting before ingest stops reading: two batches, ~20 MB
+                           # (decoded events cost ~2.4 KB each) and under a second of work
+                           # for a loaded loop, which a hook's events wait behind (the soak)
 STALL_SECONDS = 30.0        # /healthz fails when the loop has not turned for this long
 MAX_LAG_SECONDS = 10.0      # ... or when an event has waited this long for the loop to take it
 FS_TURN_SECONDS = 0.05      # loop wait with a filesystem source (see Agent.serve)

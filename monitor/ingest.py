@@ -131,6 +131,10 @@ class _Conn:
         return True
 
 
+def _last_active(conn: _Conn) -> float:
+    return conn.last_active
+
+
 REFUSE_REASONS = ("pid_limit", "uid_limit")          # a new connection closed at once
 # An open connection closed by the agent; foreign_writer: bytes from a process other than
 # the one that connected (a forked child on an inherited connection).
@@ -372,7 +376,7 @@ class IngestServer:
         select_timeout = min(1.0, self._frame_timeout / 2)
         next_sweep = self._clock() + select_timeout
         while not self._stopping.is_set():
-            if self._backlog is not None and self._backlog() > self._max_backlog:
+            if self._backed_up():
                 self._stopping.wait(0.005)      # let the consumer catch up (see module doc)
                 continue
             try:
@@ -380,6 +384,7 @@ class IngestServer:
             except Exception:
                 self._unexpected("select failed")
                 continue
+            readable = []
             for key, _ in ready:
                 sock = key.fileobj
                 try:
@@ -388,11 +393,25 @@ class IngestServer:
                     elif sock is self._wake_r:
                         self._drain_wakeup()
                     else:
-                        self._read(key.data)
+                        readable.append(key.data)
                 except Exception:
                     self._unexpected("connection handling failed")
                     if key.data is not None:
                         self._close(key.data)
+            # Least recently read first, and no further once backed up (checked per
+            # connection here and per chunk in _read): one turn over many busy connections
+            # must not queue past the limit, and the ones a turn skips come first in the next
+            # (epoll reports ready connections in the same order every time: without this a
+            # flood's connections would always be read first and a hook's starve).
+            readable.sort(key=_last_active)
+            for conn in readable:
+                if self._backed_up():
+                    break
+                try:
+                    self._read(conn)
+                except Exception:
+                    self._unexpected("connection handling failed")
+                    self._close(conn)
             if self._notices:
                 try:
                     self._send_notices()
@@ -441,6 +460,9 @@ class IngestServer:
         except OSError:
             return None     # the peer is gone; the read side notices and closes it
         return data[sent:]
+
+    def _backed_up(self) -> bool:
+        return self._backlog is not None and self._backlog() > self._max_backlog
 
     def _drain_wakeup(self) -> None:
         try:
@@ -552,7 +574,7 @@ class IngestServer:
             elif payloads or conn.partial_since is None:
                 conn.partial_since = now
             self._deliver(conn, payloads)
-            if len(data) < _CHUNK:
+            if len(data) < _CHUNK or self._backed_up():
                 return
 
     def _foreign_writer(self, conn: _Conn, ancillary) -> bool:

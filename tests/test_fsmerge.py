@@ -88,3 +88,30 @@ def test_hook_writes_long_gone_are_forgotten():
     clock.now = 30.0
     m.due()
     assert m._hook_writes == {}
+
+
+def test_hook_writes_remembered_are_bounded_whatever_a_sender_reports():
+    """Starts that never end (on one path, and on fresh paths) and many short writes within
+    the window are remembered up to a bound, not one entry per event: the soak's flood of
+    1,000,000 frames kept hundreds of thousands, tens of MB, swept every second."""
+    import tracemalloc
+    clock = Clock()
+    m = SourceMerger(delay=0.1, max_paths=1000, clock=clock)
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for seq in range(100_000):
+            m.hook_event(hook("start", 7, seq, 10.0, path="/c/open.pt"))      # never end
+            m.hook_event(hook("start", 8, seq, 10.0, path=f"/c/{seq}.pt"))   # fresh paths
+            m.hook_event(hook("start", 9, seq, 10.0, path=f"/c/{seq % 64}.pt"))
+            m.hook_event(hook("end", 9, seq, 10.0, 10.1, path=f"/c/{seq % 64}.pt"))
+        grown = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert grown < 2 << 20, f"{grown} bytes"
+    assert m.remembered <= 1000
+    # The latest writes of a (pid, path) are still there to merge with.
+    m.fs_event(fs("start", 7, 2**48, 10.01, path="/c/open.pt"))
+    clock.now += 0.2
+    forward, [(path, (_, pid, seq))] = m.due()
+    assert forward == [] and (path, pid) == ("/c/open.pt", 7) and seq >= 99_990

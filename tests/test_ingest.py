@@ -319,6 +319,105 @@ def test_backlog_above_the_limit_pauses_reading_until_the_consumer_catches_up(so
         srv.stop()
 
 
+def test_backlog_limit_holds_with_many_busy_connections(sockdir, no_thread_leak):
+    """Back-pressure must bound what one turn of the server reads, not only when it starts:
+    with 12 connections each holding a full socket buffer of frames, the events handed over
+    past max_backlog are at most one read's worth (one chunk), not every connection's 8 reads
+    (the soak saw 140,000 queued events, 170 MB, at a limit of 20,000)."""
+    got, rejects = [], []
+    paused = [True]
+    asked = [0]
+
+    def consumer_backlog() -> int:      # a consumer that never takes anything
+        asked[0] += 1
+        return 10 ** 9 if paused[0] else len(got)
+
+    limit = 1000
+    srv = IngestServer(os.path.join(sockdir, "bm.sock"), None, rejects.append,
+                       on_events=got.extend, backlog=consumer_backlog, max_backlog=limit)
+    srv.start()
+    frame = events.encode(start_event())
+    socks = [connect(srv.path) for _ in range(12)]
+    try:
+        queued = 0
+        for sock in socks:              # fill every socket buffer while the server is paused
+            sock.setblocking(False)
+            try:
+                while True:
+                    queued += sock.send(frame * 64) // len(frame)
+            except BlockingIOError:
+                pass
+        assert queued > 4 * limit
+        paused[0] = False
+        wait_for(lambda: len(got) > limit, message="the server reading up to the limit")
+        seen = asked[0]
+        wait_for(lambda: asked[0] >= seen + 20, message="the server looping, backed up")
+        one_chunk = 256 * 1024 // len(frame) + 1
+        assert limit < len(got) <= limit + one_chunk, (len(got), queued)
+    finally:
+        for sock in socks:
+            sock.close()
+        srv.stop()
+
+
+def test_a_quiet_connection_is_not_starved_by_busy_ones_at_the_backlog_limit(
+        sockdir, no_thread_leak):
+    """At the backlog limit a turn reads only the first ready connections; the next turn must
+    start with the ones it skipped. Otherwise the same busy connections come first every time
+    (epoll reports them in a stable order) and a hook's event, ready last, waits for the
+    flood to end (the soak saw real collisions reported 10 to 19 s late)."""
+    got, rejects, quiet_seen = [], [], threading.Event()
+    taken = [0]
+    limit = 500
+
+    def on_events(batch):
+        got.extend(batch)
+        if any(e["seq"] == 424242 for e in batch):
+            quiet_seen.set()
+
+    def consumer_backlog() -> int:
+        return len(got) - taken[0]
+
+    srv = IngestServer(os.path.join(sockdir, "fair.sock"), None, rejects.append,
+                       on_events=on_events, backlog=consumer_backlog, max_backlog=limit)
+    srv.start()
+    stop = threading.Event()
+    busy = [connect(srv.path) for _ in range(8)]
+    chunk = b"".join(events.encode(start_event(seq=1)) for _ in range(200))
+
+    def flood(sock):
+        try:
+            while not stop.is_set():
+                sock.sendall(chunk)
+        except OSError:
+            pass
+
+    def consume():                      # a consumer slower than the flood
+        while not stop.is_set():
+            taken[0] = min(len(got), taken[0] + 200)
+            stop.wait(0.005)
+
+    threads = [threading.Thread(target=flood, args=(s,)) for s in busy]
+    threads.append(threading.Thread(target=consume))
+    for t in threads:
+        t.start()
+    try:
+        wait_for(lambda: len(got) > 20 * limit, message="the flood flowing")
+        with connect(srv.path) as quiet:
+            quiet.sendall(events.encode(start_event(seq=424242)))
+            wait_for(quiet_seen.is_set, timeout=10,
+                     message="the quiet connection's event during the flood")
+    finally:
+        stop.set()
+        for sock in busy:
+            sock.shutdown(socket.SHUT_RDWR)
+        for t in threads:
+            t.join(10)
+        for sock in busy:
+            sock.close()
+        srv.stop()
+
+
 def test_batched_delivery_hands_over_lists_of_valid_events_only(sockdir, no_thread_leak):
     batches, rejects = [], []
     srv = IngestServer(os.path.join(sockdir, "b.sock"), None, rejects.append,

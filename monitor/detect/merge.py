@@ -29,6 +29,10 @@ from monitor.detect.model import Writer
 # the same path are ever merged, so a loose match merges a process's save with its own.
 SLACK = 1.0
 EXPIRE_EVERY = 1.0
+# Hook writes remembered per (pid, path): a process saves one file at a time, so the latest
+# few are all a held fs event can match. A sender's starts that never end would otherwise pile
+# up under one key (they never expire: no end).
+MAX_WRITES_PER_KEY = 8
 
 
 class SourceMerger:
@@ -42,6 +46,9 @@ class SourceMerger:
         self._hook_writes: OrderedDict = OrderedDict()  # (pid, path) -> {seq: [start, end, key]}
         self._identity: OrderedDict = OrderedDict()     # pid -> Writer the hook reported
         self._merged: dict = {}                         # fs (pid, seq) -> hook key
+        # Hook writes held in _hook_writes, in all: at most max_paths (the oldest (pid, path)
+        # goes first), so no sender can grow the merger or its once-a-second sweep.
+        self.remembered = 0
         self.merged_total = 0
         self._next_expiry = 0.0
 
@@ -55,14 +62,21 @@ class SourceMerger:
             writes = self._hook_writes[(pid, path)] = {}
         self._hook_writes.move_to_end((pid, path))
         key = (event["node"], pid, event["seq"])
-        if event["type"] == "start":
-            writes.setdefault(event["seq"], [event["mono"], None, key])
-        else:
-            entry = writes.setdefault(event["seq"], [event["start_mono"], None, key])
+        entry = writes.get(event["seq"])
+        if entry is None:
+            start = event["mono"] if event["type"] == "start" else event["start_mono"]
+            entry = writes[event["seq"]] = [start, None, key]
+            self.remembered += 1
+            if len(writes) > MAX_WRITES_PER_KEY:
+                del writes[next(iter(writes))]
+                self.remembered -= 1
+        if event["type"] == "end":
             entry[1] = event["mono"]
-        for bound in (self._hook_writes, self._identity):
-            while len(bound) > self.max_paths:
-                bound.popitem(last=False)
+        while len(self._hook_writes) > self.max_paths or self.remembered > self.max_paths:
+            _, dropped = self._hook_writes.popitem(last=False)
+            self.remembered -= len(dropped)
+        while len(self._identity) > self.max_paths:
+            self._identity.popitem(last=False)
 
     def fs_event(self, event: dict) -> None:
         """Hold an fs start/end for `delay` seconds before deciding what it is."""
@@ -118,5 +132,6 @@ class SourceMerger:
             for seq in [s for s, (_, end, _) in writes.items()
                         if end is not None and end < horizon]:
                 del writes[seq]
+                self.remembered -= 1
             if not writes:
                 del self._hook_writes[k]
