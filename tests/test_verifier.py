@@ -119,3 +119,27 @@ def test_pending_counts_due_paths_and_submissions_until_their_answer_is_drained(
         assert v.unchanged_total == 1
     finally:
         v.stop()
+
+
+def test_hook_reported_paths_cannot_crowd_out_a_watched_path():
+    """A hostile sender naming 10,000+ paths must not push out of the schedule a file the
+    agent's own watcher saw: watched paths have their own capacity."""
+    s = VerifySchedule(quiet=1.0, max_paths=10000)
+    s.write_started("/watched/ckpt.pt", now=0.0, watched=True)
+    s.write_finished("/watched/ckpt.pt", "", now=0.5, watched=True)
+    flooder = object()                 # a hook's Sender: only compared, never used to read
+    for i in range(10050):
+        s.write_started(f"/flood/{i}.pt", now=1.0, sender=flooder)
+        s.write_finished(f"/flood/{i}.pt", "x", now=1.0)
+    due = {p: readers for p, _, _, readers in s.due(100.0)}
+    assert due.get("/watched/ckpt.pt", "missing") is None    # due, read with the agent's rights
+    assert len(due) <= 10000 + 1
+
+
+def test_hook_reported_paths_cannot_fill_the_queue_for_watched_ones():
+    v = Verifier(max_queue=8)           # not started: the queue only fills
+    flooder = object()
+    for i in range(20):
+        v.submit(f"/flood/{i}.pt", readers=(flooder,))
+    assert v.skipped_total == 12
+    assert v.submit("/watched/ckpt.pt", readers=None)

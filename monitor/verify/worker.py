@@ -38,7 +38,7 @@ import os
 import queue
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 from monitor import sender as senders
@@ -108,33 +108,48 @@ class _Due:
 
 @dataclass
 class VerifySchedule:
-    """Pure: which paths are quiet enough to verify now."""
+    """Pure: which paths are quiet enough to verify now.
+
+    Paths the agent's own watcher saw (read with the agent's rights) and paths only a hook
+    named are kept apart, each bounded by `max_paths`: a sender naming paths by the
+    thousand forgets the oldest of its kind, never a file the operator asked to watch."""
 
     quiet: float = 1.0
     max_paths: int = 10000
-    _due: dict = field(default_factory=dict)
-    # path -> whose rights a read of it needs: a tuple of the senders (monitor.sender.Sender)
-    # whose hooks wrote there, or None once the agent's own watcher saw a write there. Bounded
-    # like _due (the oldest path is forgotten first: then nobody's, and it is not read).
+    _due: dict = field(default_factory=dict)            # hook-reported path -> _Due
+    _due_watched: dict = field(default_factory=dict)    # watched path -> _Due
+    # hook-reported path -> the senders (monitor.sender.Sender) whose hooks wrote there:
+    # whose rights a read needs. Bounded (the oldest path is forgotten first: then nobody's,
+    # and it is not read).
     _senders: OrderedDict = field(default_factory=OrderedDict)
+    # paths the agent's own watcher saw a write on: read with the agent's rights. Bounded
+    # apart from _senders, so hook-reported paths cannot push them out.
+    _watched: OrderedDict = field(default_factory=OrderedDict)
     _sets: dict = field(default_factory=dict)          # set directory -> when it is due
     _runs: OrderedDict = field(default_factory=OrderedDict)   # path -> last writer's run key
 
+    def _entry(self, path: str):
+        return self._due_watched.get(path) or self._due.get(path)
+
     def write_finished(self, path: str, job: str, now: float, watched: bool = False) -> None:
-        entry = self._due.pop(path, None) or _Due(now, job)
-        entry.at = now + self.quiet
-        entry.job = job or entry.job
         if watched:
             self._note(path, None)
+        entry = self._due_watched.pop(path, None) or self._due.pop(path, None) or _Due(now, job)
+        entry.at = now + self.quiet
+        entry.job = job or entry.job
         self._set_busy(path, now + self.quiet)
-        self._due[path] = entry           # re-inserted: dict order = due order
-        if len(self._due) > self.max_paths:
-            self._due.pop(next(iter(self._due)))
+        self._enqueue(path, entry)
+
+    def _enqueue(self, path: str, entry: _Due) -> None:
+        due = self._due_watched if path in self._watched else self._due
+        due[path] = entry                 # (re-)inserted last: dict order = due order
+        if len(due) > self.max_paths:
+            due.pop(next(iter(due)))
 
     def write_started(self, path: str, now: float, sender=None, watched: bool = False) -> None:
         """A new write on `path`: a due path is not quiet any more, wait for its end.
         `sender`: the hook's Sender; watched: the agent's own watcher saw the write."""
-        entry = self._due.get(path)
+        entry = self._entry(path)
         if entry is not None:
             entry.at = float("inf")
         self._set_busy(path, float("inf"))     # a set being written is not quiet either
@@ -142,20 +157,29 @@ class VerifySchedule:
             self._note(path, None if watched else sender)
 
     def _note(self, path: str, sender) -> None:
+        if sender is None:                     # the agent's watcher: the agent's rights
+            self._senders.pop(path, None)
+            self._watched.pop(path, None)
+            self._watched[path] = True
+            if len(self._watched) > self.max_paths:
+                self._watched.popitem(last=False)
+            if path in self._due:              # now watched: moves to the watched capacity
+                self._enqueue(path, self._due.pop(path))
+            return
+        if path in self._watched:              # already readable with the agent's rights
+            return
         known = self._senders.pop(path, ())
-        if known is not None:
-            if sender is None:
-                known = None
-            elif sender not in known:
-                known = (known + (sender,))[-MAX_SENDERS:]
+        if sender not in known:
+            known = (known + (sender,))[-MAX_SENDERS:]
         self._senders[path] = known
         if len(self._senders) > self.max_paths:
             self._senders.popitem(last=False)
 
     def collided(self, path: str, collision_id: str, now: float) -> None:
-        entry = self._due.get(path)
+        entry = self._entry(path)
         if entry is None:
-            entry = self._due[path] = _Due(now + self.quiet)
+            entry = _Due(now + self.quiet)
+            self._enqueue(path, entry)
         entry.collision_id = collision_id
 
     def note_run(self, path: str, run_key) -> None:
@@ -199,22 +223,28 @@ class VerifySchedule:
         removed. readers: None to read with the agent's rights (watched), else the senders
         whose rights the read must fit (empty: nobody's, do not read)."""
         ready = []
-        for p, e in self._due.items():
+        for p, e in self._due_watched.items():
             if e.at <= now:
-                ready.append((p, e.job, e.collision_id, self._senders.get(p, ())))
+                ready.append((p, e.job, e.collision_id, None))
         for path, _, _, _ in ready:
+            del self._due_watched[path]
+            self._watched.pop(path, None)      # the next write says again whose rights
+        hook = [(p, e.job, e.collision_id, self._senders.get(p, ()))
+                for p, e in self._due.items() if e.at <= now]
+        for path, _, _, _ in hook:
             del self._due[path]
             self._senders.pop(path, None)
-        return ready
+        return ready + hook
 
     def __len__(self) -> int:
-        return len(self._due)
+        return len(self._due) + len(self._due_watched)
 
     def pending(self) -> int:
         """Paths and sets due at a known time: quiet now, verified once `quiet` has passed.
         (A path whose new write has not ended is not counted: it waits on the write, which
         ckptwatch_active_writes shows.)"""
         return (sum(1 for e in self._due.values() if e.at != float("inf"))
+                + sum(1 for e in self._due_watched.values() if e.at != float("inf"))
                 + sum(1 for at in self._sets.values() if at != float("inf")))
 
 
@@ -225,7 +255,14 @@ class Verifier:
                  max_queue: int = 1024, wall_clock=time.time):
         self.deep_max_bytes = deep_max_bytes
         self.max_rate = max_rate
-        self._inbox: queue.Queue = queue.Queue(maxsize=max_queue)
+        # Two lanes, each bounded by max_queue: what the agent's own watcher saw (and sets,
+        # read with the agent's rights) and what hooks named. The worker empties the watched
+        # lane first, so a sender naming paths by the thousand (most of them not there) delays
+        # and fills only its own lane.
+        self._max_queue = max_queue
+        self._watched_lane: deque = deque()
+        self._hook_lane: deque = deque()
+        self._ready = threading.Condition()
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wall = wall_clock
         self._thread: threading.Thread | None = None
@@ -250,33 +287,37 @@ class Verifier:
         """Stop after the file being verified; queued paths are dropped."""
         if self._thread is None:
             return
-        while True:
-            try:
-                self._inbox.get_nowait()
-            except queue.Empty:
-                break
-        self._inbox.put(None)
+        with self._ready:
+            self._watched_lane.clear()
+            self._hook_lane.clear()
+            self._watched_lane.append(None)
+            self._ready.notify()
         self._thread.join(timeout)
         self._thread = None
 
     def submit(self, path: str, job: str = "", collision_id: str = "",
                readers: tuple | None = None) -> bool:
-        try:
-            self._inbox.put_nowait((path, job, collision_id, readers))
-        except queue.Full:
-            self.skipped_total += 1
-            return False
+        return self._put((path, job, collision_id, readers), watched=readers is None)
+
+    def submit_set(self, directory: str, runs: dict | None = None) -> bool:
+        return self._put(_SetJob(directory, runs or {}), watched=True)
+
+    def _put(self, item, watched: bool) -> bool:
+        lane = self._watched_lane if watched else self._hook_lane
+        with self._ready:
+            if len(lane) >= self._max_queue:
+                self.skipped_total += 1
+                return False
+            lane.append(item)
+            self._ready.notify()
         self.outstanding += 1
         return True
 
-    def submit_set(self, directory: str, runs: dict | None = None) -> bool:
-        try:
-            self._inbox.put_nowait(_SetJob(directory, runs or {}))
-        except queue.Full:
-            self.skipped_total += 1
-            return False
-        self.outstanding += 1
-        return True
+    def _take(self):
+        with self._ready:
+            while not self._watched_lane and not self._hook_lane:
+                self._ready.wait()
+            return (self._watched_lane or self._hook_lane).popleft()
 
     def verify_sets(self, directory: str, runs: dict | None = None) -> list[Verification]:
         """Verify every checkpoint set in `directory` with the agent's rights (the worker's
@@ -377,7 +418,7 @@ class Verifier:
 
     def _run(self) -> None:
         while True:
-            item = self._inbox.get()
+            item = self._take()
             if item is None:
                 return
             answer: list = []       # one answer per item, even without a verdict
