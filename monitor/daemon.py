@@ -42,9 +42,11 @@ log = logging.getLogger("ckptwatch.agent")
 
 TICK_SECONDS = 0.2          # detector.tick() cadence: settles collisions, expires old writes
 BATCH = 4096                # events taken from the queue per turn
-MAX_BACKLOG = 8192         # events waiting before ingest stops reading: two batches, ~20 MB
-                           # (decoded events cost ~2.4 KB each) and under a second of work
-                           # for a loaded loop, which a hook's events wait behind (the soak)
+MAX_BACKLOG = 2048         # events waiting before ingest stops reading: half a batch, ~6 MB
+                           # (decoded events cost ~2.4-3 KB each; 8,192 held ~25 MB at the
+                           # soak's peak) and a fraction of a second of work for a loaded
+                           # loop, which a hook's events wait behind; the senders' sockets
+                           # buffer the rest
 STALL_SECONDS = 30.0        # /healthz fails when the loop has not turned for this long
 MAX_LAG_SECONDS = 10.0      # ... or when an event has waited this long for the loop to take it
 FS_TURN_SECONDS = 0.05      # loop wait with a filesystem source (see Agent.serve)

@@ -152,7 +152,8 @@ class _Entry:
                      func=self.func, source=self.source)
 
 
-_MAX_CACHED_WRITERS = 65536
+_MAX_CACHED_WRITERS = 4096     # a job has a few writers; a flood of distinct identities only
+                               # rebuilds Writers (65,536 held ~12 MB: the soak, issue 8)
 
 
 def _sort_key(entry: _Entry) -> tuple:

@@ -36,7 +36,9 @@ import pickle
 import pickletools
 
 FAST_MAX_BYTES = 128 << 10    # C unpickler: <= ~240 B of objects per input byte -> ~30 MB
-BUDGET = 48 << 20             # careful reader: stack + memo + the objects it made, estimated
+BUDGET = 16 << 20             # careful reader: stack + memo + the objects it made, estimated;
+                              # ~2M stack/memo slots. 48 MiB cost a third of the agent's
+                              # 150 MB ceiling for one hostile file (the soak, issue 8)
 CHECK_EVERY = 64 << 10        # input bytes between two budget checks (one push per byte)
 MAX_KEPT_STRING = 256         # longer strings cannot be a storage key, type or location
 
