@@ -32,8 +32,9 @@ def agents():
     workdirs = [short_tmpdir("cwj") for _ in NODES]
     started = []
     try:
-        for workdir in workdirs:
-            started.append(start_agent(workdir, *AGENT_ARGS).__enter__())
+        for workdir, node in zip(workdirs, NODES):
+            # One agent per simulated node, named as that node's hooks name it.
+            started.append(start_agent(workdir, *AGENT_ARGS, "--node.name", node).__enter__())
         yield dict(zip(NODES, started))
     finally:
         for agent in started:
