@@ -406,6 +406,7 @@ def test_health_fails_while_the_loop_is_behind_its_queue(sockdir, no_thread_leak
         ingest.stop()
 
 
+@pytest.mark.e2e
 def test_node_is_the_agents_own_not_the_senders_claim(workdir):
     """One process naming two nodes is still one writer: no collision with itself, and its
     writes are journaled under the agent's --node.name (issue 8 item 7a)."""
@@ -444,6 +445,7 @@ sys.stdin.read()      # stay alive until the agent has everything
                                                                          proc.pid)}
 
 
+@pytest.mark.e2e
 def test_a_flood_of_open_starts_does_not_delay_a_real_collision(workdir):
     """20,000 starts that never end, on one path, from one live process; then two other
     processes collide on that path: journaled within 5 s (issue 8 item 5)."""

@@ -215,6 +215,7 @@ def test_stalled_partial_frame_is_closed_idle_connection_is_not(make_server):
         idle.close()
 
 
+@pytest.mark.e2e
 def test_real_agent_one_process_holding_1024_connections_cannot_blind_it(tmp_path):
     # The scenario end to end: one process opens 1,024 connections and keeps them;
     # two real writers still get their collision reported, the refusals are a metric, and

@@ -148,6 +148,7 @@ def test_a_later_writer_is_found_by_the_earlier_ones_poll(store):
     assert found[0]["overlap"] is False and found[0]["writer"]["rank"] == 2
 
 
+@pytest.mark.e2e
 def test_store_keys_do_not_grow_with_the_number_of_saves(store):
     """10,000 saves by two ranks of two nodes (5,000 each, on 8 paths), a 0.25 s window (the
     run lasts many windows): keys are deleted while it runs, and once the last windows have

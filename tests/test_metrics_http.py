@@ -42,6 +42,7 @@ def test_idle_connection_is_closed_after_the_timeout(make_server):
         assert time.monotonic() - started < 5
 
 
+@pytest.mark.e2e
 def test_many_idle_connections_hold_few_threads_and_do_not_stop_a_scrape(make_server):
     drops = []
     server = make_server(timeout=30, max_handlers=4, on_dropped=drops.append)
@@ -58,6 +59,7 @@ def test_many_idle_connections_hold_few_threads_and_do_not_stop_a_scrape(make_se
             sock.close()
 
 
+@pytest.mark.e2e
 def test_client_hanging_up_mid_response_leaves_no_traceback(tmp_path):
     from agentproc import start_agent
     with start_agent(str(tmp_path)) as agent:

@@ -373,6 +373,7 @@ def test_schedule_makes_a_set_due_after_its_members_are_quiet():
     assert s.due_sets(30.0) == []                               # reported once
 
 
+@pytest.mark.e2e
 def test_agent_reports_a_dcp_set_and_a_swapped_shard(saves, tmp_path):
     workdir = short_tmpdir("cws")
     root = os.path.join(workdir, "ckpt")

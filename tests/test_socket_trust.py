@@ -58,6 +58,7 @@ def test_agent_refuses_directory_owned_by_another_user(base):
     assert os.listdir(squat) == []
 
 
+@pytest.mark.e2e
 def test_real_agent_exits_1_with_a_clear_message_on_a_squatted_directory(base, tmp_path):
     squat = os.path.join(base, "squat")
     os.mkdir(squat, 0o755)
@@ -129,6 +130,7 @@ def test_agent_creates_its_directory_0700_or_0750_with_a_group(base):
     assert stat.S_IMODE(st.st_mode) == 0o750 and st.st_gid == NOBODY
 
 
+@pytest.mark.e2e
 def test_healthz_fails_when_the_socket_is_replaced(tmp_path):
     with start_agent(str(tmp_path)) as agent:
         assert agent.get("/healthz")[0] == 200
@@ -310,6 +312,7 @@ s.close()
 SECRET = b"root:$6$SECRETSECRETSECRET:19000:0:99999:7:::\n"
 
 
+@pytest.mark.e2e
 def test_agent_never_reads_a_file_the_sender_could_not(base, tmp_path):
     secret = os.path.join(base, "shadow")
     with open(secret, "wb") as f:
