@@ -114,7 +114,6 @@ def _fast(data: bytes) -> ShardMap:
 
 _MARK = picklescan._MARK
 _INFO = object()           # an instance of _StorageInfo (no identity needed: BUILD records)
-_KEPT = picklescan.MAX_KEPT_STRING
 
 
 class _State(dict):
@@ -142,30 +141,7 @@ def _careful(data: bytes, budget: int) -> ShardMap:
             raise ValueError(f"unknown opcode {data[i]:#04x} at {i}")
         kind, arg_kind, n, value_kind, below, has_mark, after, name = spec
         i += 1
-        if arg_kind == picklescan._A_FIXED:
-            raw = data[i:i + n]
-            i += n
-        elif arg_kind == picklescan._A_LINE:
-            j = data.index(b"\n", i)
-            raw, i = data[i:j], j + 1
-        elif arg_kind == picklescan._A_LINES2:
-            j = data.index(b"\n", i)
-            k = data.index(b"\n", j + 1)
-            raw, i = (data[i:j], data[j + 1:k]), k + 1
-        else:
-            width = 1 if arg_kind == picklescan._A_LEN1 else \
-                8 if arg_kind == picklescan._A_LEN8U else 4
-            length = int.from_bytes(data[i:i + width], "little",
-                                    signed=arg_kind == picklescan._A_LEN4S)
-            if length < 0:
-                raise ValueError(f"negative length at {i}")
-            i += width
-            if i + length > end:
-                raise ValueError(f"{name} runs past the end (truncated)")
-            raw = data[i:i + length] if length <= _KEPT else None
-            i += length
-        if i > end:
-            raise ValueError(f"{name} runs past the end (truncated)")
+        raw, i = picklescan.read_argument(data, i, end, arg_kind, n, name)
         # -- the stack effects that matter; everything else is the generic rule
         if kind == picklescan._K_PUT:
             _memo_put(memo, picklescan._memo_index(raw, arg_kind), stack)

@@ -365,32 +365,7 @@ def scan_pickle(data: bytes, budget: int = BUDGET) -> dict:
             raise ValueError(f"unknown opcode {code:#04x} at {i}")
         kind, arg_kind, n, value_kind, below, has_mark, after, name = spec
         i += 1
-        # -- the argument
-        if arg_kind == _A_FIXED:
-            raw = data[i:i + n]
-            i += n
-        elif arg_kind == _A_LINE:
-            j = data.index(b"\n", i)
-            raw, i = data[i:j], j + 1
-        elif arg_kind == _A_LINES2:
-            j = data.index(b"\n", i)
-            k = data.index(b"\n", j + 1)
-            raw, i = (data[i:j], data[j + 1:k]), k + 1
-        else:
-            width = 1 if arg_kind == _A_LEN1 else 8 if arg_kind == _A_LEN8U else 4
-            length = int.from_bytes(data[i:i + width], "little",
-                                    signed=arg_kind == _A_LEN4S)
-            if length < 0:
-                raise ValueError(f"negative length at {i}")
-            i += width
-            if i + length > end:
-                raise ValueError(f"{name} runs past the end (truncated)")
-            # Only short values can be part of a storage id; a slice of a long one would be
-            # a copy of up to the whole pickle.
-            raw = data[i:i + length] if length <= MAX_KEPT_STRING else None
-            i += length
-        if i > end:
-            raise ValueError(f"{name} runs past the end (truncated)")
+        raw, i = read_argument(data, i, end, arg_kind, n, name)
         # -- its effect on the stack
         if kind == _K_PUT:
             _memo_put(memo, _memo_index(raw, arg_kind), stack)
@@ -451,6 +426,37 @@ def scan_pickle(data: bytes, budget: int = BUDGET) -> dict:
                              "end (truncated)")
         # _K_NOP: PROTO, FRAME
 
+
+
+def read_argument(data: bytes, i: int, end: int, arg_kind: int, n: int, name: str):
+    """(raw, next offset) of the argument of an opcode whose argument starts at `i`, checked
+    against `end` (a claimed length past it is a truncated pickle, never an allocation).
+    Long values come back as None: only short ones can be part of a storage id, and a slice
+    of a long one would be a copy of up to the whole pickle. Shared by the careful readers
+    (scan_pickle here, monitor.verify.dcpmeta)."""
+    if arg_kind == _A_FIXED:
+        raw = data[i:i + n]
+        i += n
+    elif arg_kind == _A_LINE:
+        j = data.index(b"\n", i)
+        raw, i = data[i:j], j + 1
+    elif arg_kind == _A_LINES2:
+        j = data.index(b"\n", i)
+        k = data.index(b"\n", j + 1)
+        raw, i = (data[i:j], data[j + 1:k]), k + 1
+    else:
+        width = 1 if arg_kind == _A_LEN1 else 8 if arg_kind == _A_LEN8U else 4
+        length = int.from_bytes(data[i:i + width], "little", signed=arg_kind == _A_LEN4S)
+        if length < 0:
+            raise ValueError(f"negative length at {i}")
+        i += width
+        if i + length > end:
+            raise ValueError(f"{name} runs past the end (truncated)")
+        raw = data[i:i + length] if length <= MAX_KEPT_STRING else None
+        i += length
+    if i > end:
+        raise ValueError(f"{name} runs past the end (truncated)")
+    return raw, i
 
 def _memo_index(raw: bytes, arg_kind: int) -> int:
     if arg_kind != _A_LINE:
