@@ -243,21 +243,26 @@ class _Check:
 
     # -- torch.distributed.checkpoint
 
+    def read_set_file(self, name: str, limit: int, missing: str) -> bytes | None:
+        """The set's describing file (DCP .metadata, HF index) in the set's directory, or None
+        after recording why not: missing is a corrupt set, too large or unreadable a doubt."""
+        try:
+            return self.open_index(os.path.join(self.s.directory, name), limit)
+        except FileNotFoundError:
+            self.corrupt("missing_shard", missing)
+        except _TooLarge as e:
+            self.doubts.append(f"{name} of {e.size} bytes is larger than the verifier reads "
+                               f"({limit >> 20} MiB)")
+        except (_NotRead, OSError) as e:
+            self.doubts.append(f"{name}: cannot read: {_why(e)}")
+        return None
+
     def dcp(self) -> None:
         d = self.s.directory
-        meta_path = os.path.join(d, DCP_METADATA)
-        try:
-            data = self.open_index(meta_path, MAX_METADATA_BYTES)
-        except FileNotFoundError:
-            self.corrupt("missing_shard", f"{DCP_METADATA} is missing: the save did not "
-                         "finish (it is written last) or it was deleted")
-            return
-        except _TooLarge as e:
-            self.doubts.append(f"{DCP_METADATA} of {e.size} bytes is larger than the "
-                               f"verifier reads ({MAX_METADATA_BYTES >> 20} MiB)")
-            return
-        except (_NotRead, OSError) as e:
-            self.doubts.append(f"{DCP_METADATA}: cannot read: {_why(e)}")
+        data = self.read_set_file(DCP_METADATA, MAX_METADATA_BYTES,
+                                  f"{DCP_METADATA} is missing: the save did not finish (it is "
+                                  "written last) or it was deleted")
+        if data is None:
             return
         try:
             shards = dcpmeta.shard_ranges(data)
@@ -340,18 +345,8 @@ class _Check:
     # -- Hugging Face sharded
 
     def hf(self) -> None:
-        index_path = os.path.join(self.s.directory, self.s.index)
-        try:
-            data = self.open_index(index_path, MAX_INDEX_BYTES)
-        except FileNotFoundError:
-            self.corrupt("missing_shard", f"{self.s.index} is missing")
-            return
-        except _TooLarge as e:
-            self.doubts.append(f"{self.s.index} of {e.size} bytes is larger than the "
-                               f"verifier reads ({MAX_INDEX_BYTES >> 20} MiB)")
-            return
-        except (_NotRead, OSError) as e:
-            self.doubts.append(f"{self.s.index}: cannot read: {_why(e)}")
+        data = self.read_set_file(self.s.index, MAX_INDEX_BYTES, f"{self.s.index} is missing")
+        if data is None:
             return
         if data.count(b"[") + data.count(b"{") > MAX_INDEX_CONTAINERS:
             self.corrupt("inconsistent", f"{self.s.index} is not a shard index (more than "
