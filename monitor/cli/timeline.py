@@ -416,6 +416,15 @@ def _verdict_rows(verdicts: list) -> list:
     return rows
 
 
+def _records_section(title: str, sub: str, records: list, css: str) -> list:
+    """A heading, a line on what it holds and a table of raw records; nothing if none."""
+    if not records:
+        return []
+    return [f"<h2>{title}</h2>", f'<p class="sub">{sub}</p>',
+            _table(["when", "type", "path", "fields"], _other_rows(records[-MAX_TABLE_ROWS:]),
+                   len(records), css)]
+
+
 def _other_rows(others: list) -> list:
     rows = []
     for rec in reversed(others):
@@ -598,19 +607,12 @@ def render_html(summary: JournalSummary, now: float | None = None) -> str:
                        "written by collision"],
                       _verdict_rows(verdicts[-MAX_TABLE_ROWS:]), len(verdicts), "verdicts")
                if verdicts else '<p class="none">none</p>')
-    hazards = list(summary.hazards)
-    if hazards:
-        out.append("<h2>Hazards</h2>")
-        out.append('<p class="sub">Saves that will collide under the right timing (job scope: '
-                   "a <code>local_rank == 0</code> guard, several ranks on shared storage).</p>")
-        out.append(_table(["when", "type", "path", "fields"],
-                          _other_rows(hazards[-MAX_TABLE_ROWS:]), len(hazards), "hazards"))
-    others = list(summary.others)
-    if others:
-        out.append("<h2>Other findings</h2>")
-        out.append('<p class="sub">Record types this version of the report does not know, '
-                   "as recorded.</p>")
-        out.append(_table(["when", "type", "path", "fields"],
-                          _other_rows(others[-MAX_TABLE_ROWS:]), len(others), "others"))
+    out += _records_section(
+        "Hazards", "Saves that will collide under the right timing (job scope: a "
+        "<code>local_rank == 0</code> guard, several ranks on shared storage).",
+        list(summary.hazards), "hazards")
+    out += _records_section(
+        "Other findings", "Record types this version of the report does not know, as recorded.",
+        list(summary.others), "others")
     out.append("</body></html>")
     return "\n".join(out) + "\n"
