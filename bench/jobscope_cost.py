@@ -73,20 +73,8 @@ def isolated_save(window: float) -> dict:
     """Two nodes' ranks save one path once each, together; the store operations and bytes each
     spends on that save over its whole life (announcement, read at the end, polls until the
     window has passed, deletion)."""
-    import torch.distributed as dist
-    from ckptwatch.jobscope import JobScope
     from ckptwatch.sharedfs import SharedPaths
-    server = dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=10),
-                           wait_for_workers=False)
-    scopes = []
-    for node, rank in (("node-a", 0), ("node-b", 2)):
-        ident = {"node": node, "pid": 100000 + rank, "rank": rank, "local_rank": 0,
-                 "world_size": 4, "local_world_size": 2, "node_rank": rank // 2, "job": "bench",
-                 "master": "127.0.0.1:1", "restart": 0}
-        scopes.append(JobScope("127.0.0.1", server.port, ident, window=window,
-                               emit=lambda e: None, shared=SharedPaths({})).start())
-    while any(s.state != "active" for s in scopes):
-        time.sleep(0.01)
+    server, scopes = _two_nodes(window, SharedPaths({}))
     pendings = [(s.ident, 1, "/shared/last.pt", None, None, time.time(), time.monotonic())
                 for s in scopes]
     for s, p in zip(scopes, pendings):
@@ -106,14 +94,12 @@ def isolated_save(window: float) -> dict:
             "keys_after": server.num_keys()}
 
 
-def store_traffic(saves: int) -> dict:
+def _two_nodes(window: float, shared):
+    """A store and two job-scope threads, ranks 0 and 2 of "nodes" a and b, both connected."""
     import torch.distributed as dist
     from ckptwatch.jobscope import JobScope
-    from ckptwatch.sharedfs import SharedPaths
     server = dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=10),
                            wait_for_workers=False)
-    window = 2.0
-    shared = SharedPaths({"CKPTWATCH_SHARED_PATHS": "/shared"})
     scopes = []
     for node, rank in (("node-a", 0), ("node-b", 2)):
         ident = {"node": node, "pid": 100000 + rank, "rank": rank, "local_rank": 0,
@@ -123,6 +109,13 @@ def store_traffic(saves: int) -> dict:
                                emit=lambda e: None, shared=shared).start())
     while any(s.state != "active" for s in scopes):
         time.sleep(0.01)
+    return server, scopes
+
+
+def store_traffic(saves: int) -> dict:
+    from ckptwatch.sharedfs import SharedPaths
+    window = 2.0
+    server, scopes = _two_nodes(window, SharedPaths({"CKPTWATCH_SHARED_PATHS": "/shared"}))
     before = server.num_keys()
     t0 = time.perf_counter()
     peak = 0
