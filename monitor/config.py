@@ -23,11 +23,11 @@ from exporters.webconfig import WebConfig, WebConfigError
 from exporters import webconfig
 from ckptwatch.version import __version__
 from ckptwatch import paths
+from monitor.fs.options import ATTRIBUTIONS as WATCH_ATTRIBUTIONS
+from monitor.fs.options import CHECKPOINT_PATTERNS as WATCH_PATTERNS
+from monitor.fs.options import WATCH_MODES
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
-from monitor.fs.options import ATTRIBUTIONS as WATCH_ATTRIBUTIONS  # noqa: E402
-from monitor.fs.options import CHECKPOINT_PATTERNS as WATCH_PATTERNS  # noqa: E402
-from monitor.fs.options import WATCH_MODES  # noqa: E402
 LOG_FORMATS = ("logfmt", "json")
 
 

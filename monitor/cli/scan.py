@@ -28,8 +28,7 @@ from monitor.verify import crc
 from monitor.verify import integrity
 from monitor.verify import sets as checkpoint_sets
 from monitor.cli.report import human_bytes
-
-from monitor.fs.options import CHECKPOINT_PATTERNS as DEFAULT_PATTERNS  # noqa: E402
+from monitor.fs.options import CHECKPOINT_PATTERNS as DEFAULT_PATTERNS
 
 EXIT_OK = 0
 EXIT_CORRUPT = 1

@@ -37,6 +37,9 @@ from watchdog.events import FileSystemEventHandler
 from watchdog.observers.api import BaseObserver
 from watchdog.observers.polling import PollingObserver
 
+from monitor.fs.options import CHECKPOINT_PATTERNS as DEFAULT_PATTERNS
+from monitor.fs.options import WATCH_MODES as MODES
+
 
 # The inotify backend subclasses watchdog 7.x internals (pinned <8 in pyproject). On Linux a
 # failed import is a broken install, not a platform limit: it is kept and reported loudly (an
@@ -52,8 +55,6 @@ except (ImportError, OSError) as _exc:
 
 log = logging.getLogger("ckptwatch.fswatch")
 
-from monitor.fs.options import CHECKPOINT_PATTERNS as DEFAULT_PATTERNS  # noqa: E402
-from monitor.fs.options import WATCH_MODES as MODES  # noqa: E402
 # Paths named by hook events that count as checkpoints whatever their names (bounded).
 MAX_NAMED = 10000
 SOURCE_FS = "fs"
