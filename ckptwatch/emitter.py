@@ -1,15 +1,45 @@
-"""In-process event sender: a bounded queue drained by one background thread.
+"""In-process event sender: the save path builds frames, one background thread sends them.
 
 Loaded into training processes: standard library only. The contract with the caller (the
-torch.save hook) is that emit() never blocks and never raises: it appends to a deque and, only
-when the sender thread is idle, sets an Event to wake it. Everything slow — JSON encoding,
-connecting, sending — happens in the sender thread.
+torch.save hook): nothing here blocks on I/O or raises on the caller's thread.
 
-Transport: one AF_UNIX SOCK_STREAM connection per process, frames from ckptwatch.events.encode.
-The connection is made lazily and re-made with backoff when the agent is absent or restarted;
+Cost (issue 8, item 10; bench/hook_overhead.py). Python work done by a background thread while
+the training thread runs makes the two trade the GIL, and each hand-over costs the training
+thread a futex wake-up -- on a virtual machine several times the work handed over. So the save
+path does the little per-save work itself (ckptwatch/hook.py formats one frame from
+pre-encoded parts) and the sender thread only wakes up about once per LINGER, to hand whatever
+was gathered meanwhile to the kernel in one send:
+
+- A save announces its start with defer(key, start). The start is not sent at all if the save
+  ends before the sender's next turn but one (LINGER to 2 x LINGER): undefer() then says so, and
+  the end frame, which carries the start's times, stands alone ("a lone end",
+  ckptwatch/events.py): the agent learns the whole write from one frame. The start of a save
+  still running by then is built and sent by the sender thread, so the agent sees a long or
+  hung write while it is in flight, and always before its end.
+- emit() queues a finished frame (bytes), or a dict or (builder, *args) that the sender thread
+  builds (rare events: job scope, tests).
+
+Transport: one AF_UNIX SOCK_STREAM connection per process, frames from ckptwatch.events. The
+connection is made lazily and re-made with backoff when the agent is absent or restarted;
 events queued meanwhile are delivered once it is back, up to the queue bound. When the queue is
 full new events are dropped and counted, and the count is sent as a "dropped" event once the
-agent is reachable.
+agent is reachable. Every connection begins with a "hello" frame asking the agent for
+acknowledgements, and for notices under the warn policy.
+
+The socket is non-blocking: a frame partly written stays first in line, and the thread waits
+for room (poll, without the GIL) instead of timing out, so no frame is ever cut short on a live
+connection, and a save never waits for the agent (the queue is bounded: beyond, drops).
+
+Acknowledgements (issue 8, item 9): the agent answers "ack" frames that say how many frames of
+this connection it has taken in (handed on to its loop, not merely read off the socket). Frames
+written but not acknowledged yet are kept, at most MAX_UNACKED (beyond, the oldest is forgotten
+and counted as "unconfirmed"). When the agent ends the connection -- it was killed or restarted,
+or it closed us -- the acknowledgements still readable are read, and every frame still
+unacknowledged is sent again first on the next connection ("resent"). A frame the old agent
+took in but died before acknowledging is so seen twice; the agent ignores a write it has
+already seen while it lives (monitor.detect), and a record repeated across a restart keeps its
+id. With an agent that never acknowledges (an older one), only frames not completely written
+are sent again.
 
 Fork: a forked child must not write into the parent's connection (the agent checks the peer pid
 and the two streams would interleave), and it inherits a copy of the parent's queue with the
@@ -17,26 +47,27 @@ parent's events. An at-fork handler gives every Emitter in the child a fresh que
 event, thread and connection, and drops the inherited copy of the parent's socket object without
 sending anything on it.
 
-Notices (the warn policy, ckptwatch.policy): with on_notice set, the sender thread also reads
-what the agent sends back on the connection — notices about unsafe saves (wire contract:
-ckptwatch/events.py) — each time it wakes, and at most NOTICE_POLL seconds apart while idle
-and connected. Reading never blocks (poll first, then recv); each frame is bounded and
-validated (events.decode_notice), a malformed one is counted and skipped, an oversized one
-ends notice reading on that connection, and on_notice's own failures are counted. So a notice
-is acted on within NOTICE_POLL of its arrival while the process lives; one that arrives after
-the process has exited is lost (the agent reports the collision anyway).
+Notices (the warn policy, ckptwatch.policy): with on_notice set, the sender thread hands it the
+notices the agent sends on the connection (wire contract: ckptwatch/events.py). It reads what
+the agent sent each time it wakes, and at least every NOTICE_POLL seconds while idle and
+connected (ACK_POLL while frames are unacknowledged). Reading never blocks; each frame is
+bounded and validated (events.decode_agent_frame), a malformed one is counted and skipped, an
+oversized one ends reading on that connection, and on_notice's own failures are counted. A notice
+that arrives after the process has exited is lost (the agent reports the collision anyway).
 
-Exit: an atexit handler flushes within flush_timeout (CKPTWATCH_FLUSH_TIMEOUT overrides) — but
+Exit: an atexit handler flushes within flush_timeout (CKPTWATCH_FLUSH_TIMEOUT overrides) -- but
 does not wait at all when the agent cannot be reached, so a job without an agent exits at
-normal speed. Processes that end with os._exit (e.g. multiprocessing children) skip atexit and
-lose whatever the sender had not sent yet. atexit runs handlers last-registered-first: a save
-made by a handler registered before this module was imported (i.e. before torch, under the
-bootstrap) runs after our flush and is dropped.
+normal speed; it waits for frames to be written, not for their acknowledgement. Processes that
+end with os._exit (e.g. multiprocessing children) skip atexit and lose whatever the sender had
+not sent yet. atexit runs handlers last-registered-first: a save made by a handler registered
+before this module was imported (i.e. before torch, under the bootstrap) runs after our flush
+and is dropped.
 """
 from __future__ import annotations
 
 import atexit
 import collections
+import itertools
 import os
 import select
 import socket
@@ -50,17 +81,31 @@ from ckptwatch import paths
 from ckptwatch.identity import identity
 
 FLUSH_TIMEOUT_ENV = "CKPTWATCH_FLUSH_TIMEOUT"
-BATCH_MAX = 1024              # frames per sendall: one syscall for a burst, bounded memory
-SEND_TIMEOUT = 2.0            # an agent that stops reading must not wedge the sender forever
+BATCH_MAX = 1024              # frames taken from the queue per turn: bounded work and memory
+SEND_CHUNK = 256 * 1024       # bytes offered to one send()
+CONNECT_TIMEOUT = 2.0         # a listener whose backlog is full must not wedge the sender
+SEND_WAIT = 0.5               # wait this long for room in the socket, then look around again
 BACKOFF_MIN = 0.05
 BACKOFF_MAX = 1.0
 IDLE_WAIT = 5.0               # periodic wake-up; a lost wake-up costs at most this long
-LINGER = 0.02                 # collect events this long before sending (end-to-end latency)
+LINGER = 0.02                 # gather frames this long before sending (end-to-end latency)
 NOTICE_POLL = 0.2             # idle wake-up period while notices are read (warn policy)
-NOTICE_READS = 4              # recv calls per wake-up: bounded work per turn
+ACK_POLL = 0.5                # idle wake-up period while frames wait for acknowledgement
+AGENT_READS = 4               # recv calls per turn for acks and notices: bounded work
+MAX_UNACKED = 4096            # frames kept for resending (~1-2 MB at most)
+MAX_DEFERRED = 1024           # saves in flight with a held start; beyond, starts go at once
 _PEERCRED = struct.Struct("3i")   # struct ucred: pid, uid, gid
+_NONBLOCKING = socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL
 
 _live: "weakref.WeakSet[Emitter]" = weakref.WeakSet()
+
+
+class _Hello(bytes):
+    """The frame that opens a connection: never sent again on another one."""
+
+
+class _Report(bytes):
+    """A "dropped" report: not one of the caller's events (not counted as sent)."""
 
 
 def _flush_timeout_from_env(default: float) -> float:
@@ -100,6 +145,8 @@ class Emitter:
     def _reset_state(self) -> None:
         # Everything a process must own privately; called again in a forked child.
         self._queue: collections.deque = collections.deque()
+        self._deferred: dict = {}          # key -> start item of a save in flight, unsent
+        self._seen_deferred: tuple = ()    # keys deferred at the previous turn
         self._wake = threading.Event()
         # Only for thread start and the (rare) drop path. Reentrant: a signal handler that saves
         # a checkpoint can interrupt emit() while the main thread holds it.
@@ -107,8 +154,11 @@ class Emitter:
         self._thread: threading.Thread | None = None
         self._sock: socket.socket | None = None
         self._idle = True                  # sender is waiting with nothing in flight
-        self._batch: list[bytes] = []      # frames taken from the queue, not yet sent
-        self._batch_dropped = 0            # the dropped count carried by the current batch
+        self._unsent: collections.deque = collections.deque()   # frames not fully written
+        self._offset = 0                   # bytes of _unsent[0] already written
+        self._unacked: collections.deque = collections.deque()  # written, not acknowledged
+        self._acked = 0                    # frames of this connection acked or forgotten
+        self._acking = False               # the agent acknowledged on this connection
         self._stopping = False
         self._closed = False
         self._flush_gen = 0                # bumped by flush(): connect now, once, ignoring backoff
@@ -117,13 +167,15 @@ class Emitter:
         self._unreachable = False          # the last connect attempt failed
         self._next_connect = 0.0
         self._backoff = BACKOFF_MIN
-        self._sent = 0
+        self._sent = 0                     # event frames completely written (again if resent)
+        self._resent = 0                   # frames sent again after the agent ended a connection
+        self._unconfirmed = 0              # frames forgotten before any acknowledgement
         self._dropped = 0                  # total dropped (queue full, too large, after close)
         self._dropped_reported = 0         # part of _dropped already sent to the agent
         self._errors = 0
-        self._notice_reader = events.FrameReader(events.MAX_NOTICE_BYTES)
-        self._notices_off = False          # this connection sent an oversized frame
-        # Notices read, and skipped (see module doc); not in stats(), whose fields are fixed.
+        self._agent_reader = events.FrameReader(events.MAX_NOTICE_BYTES)
+        self._agent_frames_off = False     # this connection sent an oversized frame
+        # Notices read, and skipped (see module doc); not in stats().
         self.notices = {"read": 0, "malformed": 0, "oversized": 0, "errors": 0}
 
     # ---- caller side (the save path) -------------------------------------------------------
@@ -131,9 +183,8 @@ class Emitter:
     def emit(self, event) -> None:
         """Queue one event for sending. Never blocks on I/O, never raises.
 
-        `event` is a dict, or a tuple (builder, *args) for which the sender thread calls
-        builder(*args) to get the dict or the finished frame (events.frame) — this keeps
-        building and encoding off the caller's hot path.
+        `event` is a finished frame (bytes, events.frame), a dict, or a tuple (builder, *args)
+        for which the sender thread calls builder(*args) to get the dict or the frame.
         """
         try:
             if self._thread is None:
@@ -147,6 +198,26 @@ class Emitter:
                 self._wake.set()
         except Exception:
             self._errors += 1
+
+    def defer(self, key, start) -> None:
+        """A save began: `start` (as for emit) is sent only if the save is still running at
+        the sender's next turn but one; undefer(key) at its end (see module doc)."""
+        try:
+            if self._thread is None:
+                self._start()
+            deferred = self._deferred
+            if len(deferred) >= MAX_DEFERRED or self._closed:
+                self.emit(start)
+                return
+            deferred[key] = start
+            if self._idle:
+                self._wake.set()
+        except Exception:
+            self._errors += 1
+
+    def undefer(self, key) -> bool:
+        """The save `key` ended: True if its start was never sent (and now never will be)."""
+        return self._deferred.pop(key, None) is not None
 
     def _count_drop(self) -> None:
         with self._lock:
@@ -163,11 +234,12 @@ class Emitter:
     # ---- control ---------------------------------------------------------------------------
 
     def _drained(self) -> bool:
-        return self._idle and not self._queue and not self._batch
+        return self._idle and not self._queue and not self._unsent and not self._deferred
 
     def flush(self, timeout: float | None = None) -> bool:
-        """Wait until every queued event is sent. False on timeout or when the agent cannot be
-        reached (then it returns at once instead of waiting out the timeout)."""
+        """Wait until every queued event is written to the agent's socket, starts of saves
+        still running included. False on timeout or when the agent cannot be reached (then it
+        returns at once instead of waiting out the timeout)."""
         timeout = self.flush_timeout if timeout is None else timeout
         thread = self._thread
         if thread is None or not thread.is_alive():
@@ -185,12 +257,12 @@ class Emitter:
                 return False
             time.sleep(0.002)
 
-    def shutdown(self, timeout: float | None = None, join_timeout: float = SEND_TIMEOUT + 1.0
+    def shutdown(self, timeout: float | None = None, join_timeout: float = SEND_WAIT + 1.0
                  ) -> bool:
         """Flush within timeout, then stop the thread and close the connection. Idempotent.
         Returns whether everything queued was sent."""
         if self._closed:
-            return not self._queue and not self._batch
+            return not self._queue and not self._unsent
         ok = self.flush(timeout)
         self._closed = True
         self._stopping = True
@@ -207,7 +279,9 @@ class Emitter:
     def stats(self) -> dict:
         """Counters for tests and diagnostics."""
         return {"sent": self._sent, "dropped": self._dropped, "queued": len(self._queue),
-                "connected": self._sock is not None, "errors": self._errors}
+                "connected": self._sock is not None, "errors": self._errors,
+                "unacked": len(self._unacked), "resent": self._resent,
+                "unconfirmed": self._unconfirmed}
 
     # ---- sender thread ---------------------------------------------------------------------
 
@@ -218,115 +292,216 @@ class Emitter:
             except Exception:
                 # A bug here must not kill the sender for good; count it and carry on.
                 self._errors += 1
-                self._close_socket()
+                self._connection_lost()
                 time.sleep(BACKOFF_MIN)
-        self._read_notices()    # what already arrived; nothing is waited for at exit
+        if self._sock is not None:
+            self._read_agent()  # what already arrived; nothing is waited for at exit
         self._close_socket()
 
     def _has_work(self) -> bool:
-        return bool(self._queue or self._batch or self._dropped > self._dropped_reported)
+        return bool(self._queue or self._unsent or self._deferred
+                    or self._dropped > self._dropped_reported)
 
     def _step(self) -> None:
-        if self.on_notice is not None:
-            self._read_notices()
+        if self._sock is not None and not self._read_agent():
+            self._connection_lost()
         if not self._has_work():
             self._drained_gen = self._flush_gen    # every flush() asked so far is served
             self._idle = True
             self._wake.clear()
             # Re-check after clear: an emit() between the check above and clear() saw
             # _idle False and did not set the event.
+            woken = False
             if not self._has_work() and not self._stopping:
-                reading = self.on_notice is not None and self._sock is not None
-                self._wake.wait(NOTICE_POLL if reading else IDLE_WAIT)
+                woken = self._wake.wait(self._idle_wait())
             self._idle = False
-            self._linger()
+            if woken:
+                self._linger()
             return
         if self._sock is None and not self._connect():
             self._wait_backoff()
             return
-        if not self._batch:
-            self._fill_batch()
-            if not self._batch:
-                return
+        self._fill()
         try:
-            self._sock.sendall(b"".join(self._batch), socket.MSG_NOSIGNAL)
+            done = self._send()
         except OSError:
-            # Keep the batch: it is sent again on the next connection (agent restarted).
-            self._errors += 1
-            self._close_socket()
+            # The agent ended the connection (killed, restarted, or it closed us): take the
+            # acknowledgements still readable, then everything unacknowledged goes again.
+            self._read_agent()
+            self._connection_lost()
             return
-        self._sent += len(self._batch) - (1 if self._batch_dropped else 0)
-        self._dropped_reported += self._batch_dropped
-        self._batch = []
-        self._batch_dropped = 0
-        if len(self._queue) < BATCH_MAX:
+        if not done:
+            self._wait_writable()
+        elif len(self._queue) < BATCH_MAX:
             # What came in during the send is a few frames: gather more before the next.
             self._linger()
 
-    def _read_notices(self) -> None:
-        """Hand every complete notice waiting on the connection to on_notice. Never blocks."""
-        sock, handler = self._sock, self.on_notice
-        if sock is None or handler is None or self._notices_off:
-            return
-        try:
-            # The socket has a timeout, so recv would wait for data: poll first (poll, not
-            # select, which fails on descriptors above 1023).
-            poller = select.poll()
-            poller.register(sock, select.POLLIN)
-            for _ in range(NOTICE_READS):
-                if not poller.poll(0):
-                    return
-                data = sock.recv(65536)
-                if not data:
-                    return      # the agent closed; the next send notices and reconnects
-                try:
-                    payloads = self._notice_reader.feed(data)
-                except events.EventError:
-                    self.notices["oversized"] += 1
-                    self._notices_off = True
-                    return
-                for payload in payloads:
-                    notice = events.decode_notice(payload)
-                    if notice is None:
-                        self.notices["malformed"] += 1
-                        continue
-                    self.notices["read"] += 1
-                    try:
-                        handler(notice)
-                    except Exception:
-                        self.notices["errors"] += 1
-        except (OSError, ValueError):
-            return
+    def _idle_wait(self) -> float:
+        if self._sock is None:
+            return IDLE_WAIT
+        wait = IDLE_WAIT
+        if self._unacked:
+            wait = ACK_POLL
+        if self.on_notice is not None:
+            wait = min(wait, NOTICE_POLL)
+        return wait
 
     def _linger(self) -> None:
-        # Wait LINGER before sending, so that one wake-up and one sendall serve many saves:
-        # each wake-up takes the GIL from the saving thread, and the sender's work done once
-        # per save costs the training process several times what the save path does.
-        # flush() and shutdown() cut the linger short, and it is skipped while a flush waits.
+        # Wait LINGER before sending, so that one wake-up and one send serve many saves
+        # (module doc, "Cost"). flush() and shutdown() cut the linger short, and it is skipped
+        # while a flush waits.
         self._wake.clear()
         if not self._stopping and self._flush_gen == self._drained_gen:
             self._wake.wait(LINGER)
 
-    def _fill_batch(self) -> None:
-        frames = []
+    def _fill(self) -> None:
+        """Move into _unsent: starts of saves still running since the last turn (all of them
+        when a flush waits), a drop report, then queued events, built where needed."""
+        everything = self._stopping or self._flush_gen != self._drained_gen
+        deferred = self._deferred
+        if deferred:
+            # list()/tuple() of a dict of ints run in C without releasing the GIL: a snapshot.
+            keys = list(deferred) if everything else self._seen_deferred
+            for key in keys:
+                start = deferred.pop(key, None)
+                if start is not None:
+                    self._add(start)
+            self._seen_deferred = tuple(deferred)
+        else:
+            self._seen_deferred = ()
         pending_drops = self._dropped - self._dropped_reported
         if pending_drops > 0:
             report = {"v": events.SCHEMA_VERSION, "type": "dropped",
                       "node": identity()["node"], "pid": os.getpid(), "count": pending_drops}
-            frames.append(events.encode(report))
-            self._batch_dropped = pending_drops
-        queue = self._queue
-        while queue and len(frames) < BATCH_MAX:
-            event = queue.popleft()
+            self._unsent.append(_Report(events.encode(report)))
+            self._dropped_reported += pending_drops
+        queue, unsent = self._queue, self._unsent
+        while queue and len(unsent) < BATCH_MAX:
+            self._add(queue.popleft())
+
+    def _add(self, event) -> None:
+        try:
+            if type(event) is tuple:
+                event = event[0](*event[1:])
+            self._unsent.append(event if type(event) is bytes else events.encode(event))
+        except Exception:
+            # Too large for one frame, not JSON-serialisable, or a failing builder:
+            # dropped and counted.
+            self._count_drop()
+
+    def _send(self) -> bool:
+        """Write what the socket takes, frames in order; True once _unsent is empty, False
+        when the socket is full. OSError: the connection is gone."""
+        unsent, sock = self._unsent, self._sock
+        while unsent:
+            first = unsent[0]
+            parts = [first[self._offset:] if self._offset else first]
+            size = len(parts[0])
+            for frame in itertools.islice(unsent, 1, None):
+                if size >= SEND_CHUNK:
+                    break
+                parts.append(frame)
+                size += len(frame)
             try:
-                if type(event) is tuple:
-                    event = event[0](*event[1:])
-                frames.append(event if type(event) is bytes else events.encode(event))
+                written = sock.send(b"".join(parts) if len(parts) > 1 else parts[0],
+                                    _NONBLOCKING)
+            except (BlockingIOError, InterruptedError):
+                return False
+            written += self._offset
+            while unsent and written >= len(unsent[0]):
+                frame = unsent.popleft()
+                written -= len(frame)
+                self._written(frame)
+            self._offset = written
+        return True
+
+    def _written(self, frame: bytes) -> None:
+        if type(frame) is bytes:
+            self._sent += 1
+        unacked = self._unacked
+        unacked.append(frame)
+        if len(unacked) > MAX_UNACKED:
+            unacked.popleft()
+            self._acked += 1
+            if self._acking:
+                self._unconfirmed += 1
+
+    def _wait_writable(self) -> None:
+        # Without the GIL; flush(), shutdown() and new events do not need to cut this short:
+        # the socket is full, nothing can be sent before the agent reads.
+        try:
+            poller = select.poll()      # poll, not select: descriptors above 1023 exist
+            poller.register(self._sock, select.POLLOUT)
+            poller.poll(SEND_WAIT * 1000)
+        except (OSError, ValueError):
+            pass
+
+    def _read_agent(self) -> bool:
+        """Take the acknowledgements and notices waiting on the connection. Never blocks.
+        False when the agent has ended the connection."""
+        sock = self._sock
+        if sock is None:
+            return False
+        try:
+            for _ in range(AGENT_READS):
+                try:
+                    data = sock.recv(65536, socket.MSG_DONTWAIT)
+                except (BlockingIOError, InterruptedError):
+                    return True
+                if not data:
+                    return False
+                if self._agent_frames_off:
+                    continue
+                try:
+                    payloads = self._agent_reader.feed(data)
+                except events.EventError:
+                    self.notices["oversized"] += 1
+                    self._agent_frames_off = True
+                    continue
+                for payload in payloads:
+                    self._agent_frame(payload)
+            return True
+        except OSError:
+            return False
+
+    def _agent_frame(self, payload: bytes) -> None:
+        kind, value = events.decode_agent_frame(payload)
+        if kind == "ack":
+            self._acknowledged(value)
+        elif kind == "notice":
+            handler = self.on_notice
+            if handler is None:
+                return
+            self.notices["read"] += 1
+            try:
+                handler(value)
             except Exception:
-                # Too large for one frame, not JSON-serialisable, or a failing builder:
-                # dropped and counted.
-                self._count_drop()
-        self._batch = frames
+                self.notices["errors"] += 1
+        else:
+            self.notices["malformed"] += 1
+
+    def _acknowledged(self, count: int) -> None:
+        """The agent has taken in the first `count` frames of this connection."""
+        self._acking = True
+        unacked = self._unacked
+        for _ in range(min(count - self._acked, len(unacked))):
+            unacked.popleft()
+            self._acked += 1
+
+    def _connection_lost(self) -> None:
+        """Close; what must go again goes first on the next connection (module doc)."""
+        if self._sock is None:
+            return
+        self._close_socket()
+        again = [f for f in self._unacked if type(f) is not _Hello] if self._acking else []
+        self._unsent.extendleft(reversed(again))
+        self._resent += len(again)
+        self._offset = 0
+        if self._unsent and type(self._unsent[0]) is _Hello:
+            self._unsent.popleft()      # a hello not fully written: the next one replaces it
+        self._unacked.clear()
+        self._acked = 0
+        self._acking = False
 
     def _connect(self) -> bool:
         forced = self._flush_gen != self._forced_gen
@@ -334,7 +509,7 @@ class Emitter:
             return False
         self._forced_gen = self._flush_gen
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.settimeout(SEND_TIMEOUT)
+        sock.settimeout(CONNECT_TIMEOUT)
         try:
             path = self.socket_path or paths.find_socket()
             if path is None:
@@ -342,6 +517,7 @@ class Emitter:
             sock.connect(path)
             if self.socket_path is None:
                 _check_peer(sock)
+            sock.setblocking(False)
         except OSError:
             sock.close()
             self._unreachable = True
@@ -349,10 +525,12 @@ class Emitter:
             self._backoff = min(self._backoff * 2, BACKOFF_MAX)
             return False
         self._sock = sock
-        self._notice_reader = events.FrameReader(events.MAX_NOTICE_BYTES)
-        self._notices_off = False
+        self._agent_reader = events.FrameReader(events.MAX_NOTICE_BYTES)
+        self._agent_frames_off = False
         self._unreachable = False
         self._backoff = BACKOFF_MIN
+        self._unsent.appendleft(_Hello(events.hello_frame(
+            identity()["node"], os.getpid(), notices=self.on_notice is not None)))
         return True
 
     def _wait_backoff(self) -> None:

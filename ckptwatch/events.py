@@ -17,7 +17,8 @@ Event object (schema version 1). Fields marked (start, end) appear in both kinds
 
   v            int   schema version, SCHEMA_VERSION
   type         str   "start" (a save began), "end" (a save finished, ok or not),
-                     "dropped" (the sender dropped events because its queue was full)
+                     "dropped" (the sender dropped events because its queue was full),
+                     "hello" (the first frame of a connection, see below)
   node         str   node name: CKPTWATCH_NODE, else the host name
   pid          int   the writing process's pid (checked against the socket's peer credentials)
   --- start / end only ---
@@ -39,11 +40,17 @@ Event object (schema version 1). Fields marked (start, end) appear in both kinds
                      on Linux, so the agent can order events of different processes exactly)
   --- end only ---
   start_wall   float time.time() when the save began (the end event stands alone if its start
-  start_mono   float  was dropped)
+  start_mono   float  was dropped, or never sent: the hook sends no start for a save that ends
+                      within its sending delay, ckptwatch/emitter.py, so a lone end is the
+                      usual report of a short save and the agent treats it as start + end)
   bytes        int|null  file size after the save (null if it could not be read)
   outcome      str   "ok", or the exception's type name (e.g. "OSError") if the save raised
   --- dropped only ---
   count        int   events dropped since the last "dropped" event (>= 1)
+  --- hello only (added within version 1; an agent that predates it rejects it, once per
+      connection, as "incomplete") ---
+  ack          bool|null  send "ack" frames on this connection (below)
+  notices      bool|null  this process reads notices on this connection (the warn policy)
 
 Job scope (ckptwatch/jobscope.py) adds three types, sent by the hook's job-scope thread about
 the sending process (node and pid are the sender's, checked like any other event's pid).
@@ -88,8 +95,19 @@ version). A writer is identified by (node, pid).
   notices      true  (start, optional) this process reads notices on its connection (the
                      warn policy); an agent sends none to a connection that never said so
 
-Notices: agent -> hook, on the same connection (the only bytes an agent ever sends). Same
-framing, payload at most MAX_NOTICE_BYTES. Sent when the agent reports a collision, a redundant
+Agent -> hook, on the same connection: acknowledgements and notices, the only bytes an agent
+ever sends. Same framing, payload at most MAX_NOTICE_BYTES; decode_agent_frame() reads both.
+
+Acknowledgement, sent to a connection whose hello asked for it, at most every few tens of ms:
+  v            int   NOTICE_VERSION
+  type         str   "ack"
+  n            int   frames of this connection (every complete frame, the hello, rejected and
+                     refused ones included) the agent has taken in: handed on to its loop,
+                     not merely read off the socket. Cumulative; never decreases.
+The hook keeps the frames it wrote until they are acknowledged and sends them again on its next
+connection when the agent ends this one (ckptwatch/emitter.py).
+
+Notices: Sent when the agent reports a collision, a redundant
 write or a hazard involving a writer whose connection is still open and asked for notices; the
 agent never waits for a slow reader (a notice that does not fit the socket buffer is dropped).
 The hook must survive anything here: decode_notice() returns None for whatever is not a valid
@@ -164,6 +182,19 @@ def frame(payload: bytes) -> bytes:
     return HEADER.pack(len(payload)) + payload
 
 
+def hello_frame(node: str, pid: int, notices: bool = False) -> bytes:
+    """The frame that opens a hook's connection: asks for acknowledgements (and notices)."""
+    hello = {"v": SCHEMA_VERSION, "type": "hello", "node": node, "pid": pid, "ack": True}
+    if notices:
+        hello["notices"] = True
+    return encode(hello)
+
+
+def ack_frame(count: int) -> bytes:
+    """The agent's acknowledgement of the first `count` frames of a connection."""
+    return frame(b'{"v":%d,"type":"ack","n":%d}' % (NOTICE_VERSION, count))
+
+
 # For senders that splice an event's JSON text from pre-encoded parts (the hook's sender thread
 # does, for every save): json_str is the very escaping encode() applies to strings (ASCII
 # output, so the text encodes to the same bytes), json_members the members of a flat object
@@ -195,6 +226,8 @@ _WRITE_OPTIONAL = (
 _END = (("start_wall", _NUM), ("start_mono", _NUM), ("outcome", _STR))
 _END_OPTIONAL = (("bytes", _OPT_INT),)
 _DROPPED = (("count", _INT),)
+_HELLO_OPTIONAL = (("ack", frozenset({bool, type(None)})),
+                   ("notices", frozenset({bool, type(None)})))
 _MISSING = object()
 
 
@@ -263,6 +296,9 @@ def validate(event: object) -> dict:
         return event
     if kind in JOB_SCOPE_TYPES:
         return _validate_job_scope(event, kind)
+    if kind == "hello":
+        _check(event, _HELLO_OPTIONAL, required=False)
+        return event
     if kind != "start" and kind != "end":
         raise EventError(REJECT_INCOMPLETE, f"unknown type {kind!r}")
     _check(event, _WRITE, required=True)
@@ -447,12 +483,37 @@ def _opt_int(value) -> bool:
     return value is None or type(value) is int
 
 
+def decode_agent_frame(payload: bytes) -> tuple:
+    """What the agent sent in one frame: ("ack", n), ("notice", notice as decode_notice
+    returns it), or (None, None) for anything else. Never raises."""
+    try:
+        if len(payload) > MAX_NOTICE_BYTES:
+            return None, None
+        value = json.loads(payload.decode("utf-8"))
+        if type(value) is dict and value.get("type") == "ack":
+            n = value.get("n")
+            if value.get("v") == NOTICE_VERSION and type(value.get("v")) is int \
+                    and type(n) is int and 0 <= n < 2 ** 62:
+                return "ack", n
+            return None, None
+        notice = _notice(value)
+        return ("notice", notice) if notice is not None else (None, None)
+    except Exception:       # RecursionError, MemoryError on a hostile frame, ...
+        return None, None
+
+
 def decode_notice(payload: bytes) -> dict | None:
     """A valid notice (see module doc) from one frame's payload, else None. Never raises."""
     try:
         if len(payload) > MAX_NOTICE_BYTES:
             return None
-        notice = json.loads(payload.decode("utf-8"))
+        return _notice(json.loads(payload.decode("utf-8")))
+    except Exception:       # RecursionError, MemoryError on a hostile frame, ...
+        return None
+
+
+def _notice(notice) -> dict | None:
+    try:
         if not (type(notice) is dict and notice.get("v") == NOTICE_VERSION
                 and type(notice.get("v")) is int and notice.get("type") == "notice"
                 and _short_text(notice.get("kind")) and _short_text(notice.get("path"))

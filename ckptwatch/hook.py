@@ -313,25 +313,27 @@ def _caller(frame):
     return None
 
 
-# The save path hands the emitter a tuple (builder, args...) instead of a finished event: the
-# sender thread calls the builder, so the event's encoding stays off the save path.
+# The save path reports a save with two calls to the emitter (ckptwatch/emitter.py, "Cost"):
+# at its start, defer(seq, (_start_frame, pending)) -- a start the sender thread builds and
+# sends only if the save is still running a turn or two later -- and at its end one finished
+# frame, which carries the start's times, so a short save costs one frame and no start.
 # `pending` = (identity, seq, path, code, line, wall, mono).
 #
-# The builders write the frame's JSON text themselves from pre-encoded parts, because building
-# a dict of 20 fields and json-encoding it for every start and end cost the whole process more
-# than the save path does (issue 8, item 10): the identity's members are encoded once per
-# identity, a call site's once per (code, line), and only seq, path, times, size and outcome
-# are formatted per event. The text is what events.encode() makes of the same event (the
-# members' order aside); tests/test_hook.py decodes it against the dict.
+# The frames are written as JSON text from pre-encoded parts, because building a dict of 20
+# fields and json-encoding it per save cost more than the rest of the hook (issue 8, item 10):
+# the identity's members are encoded once per identity, a call site's once per (code, line),
+# and only seq, path, times, size and outcome are formatted per event. The text is what
+# events.encode() makes of the same event (the members' order aside); tests/test_hook.py
+# decodes it against the dict.
 
-_emit = None
+_emitter = None
 
 
-def _bind_emit():
+def _bind_emitter():
     # Bound once: the emitter singleton survives fork (it re-initialises itself in place).
-    global _emit
-    _emit = _emitter_mod.get_emitter().emit
-    return _emit
+    global _emitter
+    _emitter = _emitter_mod.get_emitter()
+    return _emitter
 
 
 _ident_members = (None, "")     # (identity dict, its members as JSON text): one slot, since
@@ -373,7 +375,8 @@ _start_extra = ""       # ',"notices":true' under the warn policy (see want_noti
 
 
 def want_notices() -> None:
-    """Mark every start event from now on as "this process reads notices" (events.py)."""
+    """Mark every start and end event from now on as "this process reads notices"
+    (events.py): an end may be a save's only event."""
     global _start_extra
     _start_extra = ',"notices":true'
 
@@ -383,21 +386,14 @@ def _start_frame(pending) -> bytes:
         (SCHEMA_VERSION,) + _common_members(pending) + (_start_extra,))).encode("ascii"))
 
 
-_STAT_LATER = object()   # size placeholder: the sender thread stats the path (see _finish)
-
-
 def _end_frame(pending, wall, mono, size, outcome) -> bytes:
-    if size is _STAT_LATER:
-        try:
-            size = os.stat(pending[2]).st_size
-        except OSError:
-            size = None
     common, start_wall, start_mono = _common_members(pending)
     return events.frame((
         '{"v":%d,"type":"end",%s,"wall":%r,"mono":%r,"start_wall":%s,"start_mono":%s,'
-        '"bytes":%s,"outcome":%s}' % (
+        '"bytes":%s,"outcome":%s%s}' % (
             SCHEMA_VERSION, common, wall, mono, start_wall, start_mono,
-            "null" if size is None else "%d" % size, _json_str(outcome))).encode("ascii"))
+            "null" if size is None else "%d" % size, _json_str(outcome),
+            _start_extra)).encode("ascii"))
 
 
 def _begin(args, kwargs):
@@ -413,8 +409,9 @@ def _begin(args, kwargs):
         code = line = None
     else:
         code, line = frame.f_code, frame.f_lineno
-    pending = (identity(), next(_seq), path, code, line, time.time(), time.monotonic())
-    (_emit or _bind_emit())((_start_frame, pending))
+    seq = next(_seq)
+    pending = (identity(), seq, path, code, line, time.time(), time.monotonic())
+    (_emitter or _bind_emitter()).defer(seq, (_start_frame, pending))
     if _jobscope is not None:
         _jobscope.started(pending)                       # job scope: a deque append
     _counters["reported"] += 1
@@ -424,13 +421,16 @@ def _begin(args, kwargs):
 def _finish(started, outcome: str) -> None:
     try:
         pending, fileobj = started
+        wall, mono = time.time(), time.monotonic()
+        emitter = _emitter or _bind_emitter()
+        emitter.undefer(pending[1])      # True: the start was not sent; the end says it all
         if fileobj is None:
-            # The size of a path target is read by the sender thread when it builds the end
-            # event, normally well within the emitter's 20 ms batching delay: a stat right
-            # after a save costs ~4 us, a third of the hook's whole budget on the save path.
-            # If another process rewrote the file in between, the size is theirs; exact
+            # If another process rewrote the file meanwhile, the size is theirs; exact
             # per-writer sizes under a collision are the filesystem watcher's job.
-            size = _STAT_LATER
+            try:
+                size = os.stat(pending[2]).st_size
+            except OSError:
+                size = None
         else:
             try:
                 size = fileobj.tell()
@@ -438,8 +438,7 @@ def _finish(started, outcome: str) -> None:
                 size = None
             if not isinstance(size, int):
                 size = None
-        wall, mono = time.time(), time.monotonic()
-        (_emit or _bind_emit())((_end_frame, pending, wall, mono, size, outcome))
+        emitter.emit(_end_frame(pending, wall, mono, size, outcome))
         if _jobscope is not None:
             _jobscope.ended(pending, wall, mono, outcome)   # job scope: a deque append
     except Exception:

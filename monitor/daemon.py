@@ -88,6 +88,12 @@ class Checks:
         if self.enabled:
             self.schedule.write_started(path, self._clock(), sender, watched=watched)
 
+    def writer_seen(self, path: str, sender) -> None:
+        """A hook reported a write of `path` (its end): it may be read with `sender`'s
+        rights, as after write_started, without making the path busy again."""
+        if self.enabled and sender is not None:
+            self.schedule.note_sender(path, sender)
+
     def write_finished(self, write: Write) -> None:
         if self.enabled and write.outcome == "ok":
             self.schedule.write_finished(write.path, write.writer.job_label, self._clock(),
@@ -155,6 +161,8 @@ class Inbox:
         self._pending = 0
         self._clock = clock
         self._queued_at: deque = deque()    # one time per batch, in queue order
+        self._taken = 0                     # batches taken by the loop so far
+        self._finished = 0                  # of those, batches the loop has finished
 
     def put(self, batch: list) -> None:
         with self._lock:
@@ -191,7 +199,17 @@ class Inbox:
             self._pending -= len(batch)
             for _ in range(taken):
                 self._queued_at.popleft()
+        self._taken += taken
         return batch
+
+    def done(self) -> None:
+        """The loop has finished everything it took (see finished())."""
+        self._finished = self._taken
+
+    def finished(self) -> int:
+        """Batches put and finished by the loop: ingest acknowledges their frames to the
+        hooks (monitor.ingest, "Acknowledgements"). Batches are numbered in put order."""
+        return self._finished
 
 
 def _install_signal_handlers(stop: threading.Event) -> dict:
@@ -237,6 +255,7 @@ class Agent:
         heartbeat = [time.monotonic()]
         ingest = IngestServer(config.socket, None, state.event_rejected, on_events=inbox.put,
                               backlog=inbox.backlog, max_backlog=MAX_BACKLOG,
+                              processed=inbox.finished,
                               socket_mode=config.socket_mode, socket_group=config.socket_group)
         detector = Detector(window=config.collision_window, settle=config.collision_settle,
                             stale_after=config.collision_stale_after,
@@ -312,6 +331,7 @@ class Agent:
             batch = self.inbox.take(wait)
             if batch:
                 self.hook_batch(batch)
+                self.inbox.done()
             self.fs_turn()
             now = time.monotonic()
             self.heartbeat[0] = now
@@ -391,11 +411,15 @@ class Agent:
             if kind in JOB_SCOPE_TYPES:
                 self.job_scope_event(event)
                 continue
-            if kind == "start":
-                if not self._stopping:
+            # A short save's end is usually its only event (its start is not sent,
+            # ckptwatch/emitter.py): it names the path and its writer's rights as a start does.
+            if not self._stopping:
+                if kind == "start":
                     self.checks.write_started(event["path"], event.get(SENDER))
-                if fs is not None:
-                    fs.add_path(event["path"])
+                else:
+                    self.checks.writer_seen(event["path"], event.get(SENDER))
+            if fs is not None:
+                fs.add_path(event["path"])
             if merger is not None:
                 merger.hook_event(event)
             self.observe(event)
@@ -491,6 +515,7 @@ class Agent:
         """Hand on every event still queued (at shutdown)."""
         while batch := self.inbox.take(0):
             self.hook_batch(batch)
+            self.inbox.done()
         if self.merger is not None:
             self.merger.delay = 0          # shutting down: decide on every held fs event now
             self.fs_turn()

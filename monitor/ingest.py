@@ -27,8 +27,18 @@ Callbacks run on the server thread: on_event(event) for every valid event, on_re
 With on_events(list) instead, valid events come in one list per socket read: one hand-off
 per few hundred events is what lets the agent keep up at tens of thousands of events/s.
 
-Notices (the one thing the agent sends back): notify(pid, frame) queues a notice frame for
-the open connections of `pid` that asked for notices (a start event with "notices": true;
+Acknowledgements: a connection whose hello frame asked for them ("ack": true) is told, with an
+"ack" frame (ckptwatch/events.py), how many of its frames the agent has taken in. Taken in
+means handed on AND processed by the consumer: with processed(), the number of on_events
+batches the consumer has finished, each read's frames are acknowledged once the batch holding
+them is finished (frames rejected or without events once every earlier batch is). So frames
+still in the socket or in the agent's queue when it is killed are not acknowledged, and the
+hook sends them again to the next agent. At most one ack per connection per ACK_INTERVAL
+(a burst of reads makes one ack); non-blocking, and a dropped ack is covered by the next one
+(cumulative).
+
+Notices (the other thing the agent sends back): notify(pid, frame) queues a notice frame for
+the open connections of `pid` that asked for notices (a hello or an event with "notices": true;
 ckptwatch/events.py). The server thread sends them — it owns the sockets, so a connection
 closed meanwhile is never written to under a recycled fd — with a non-blocking send: a notice
 that does not fit the peer's socket buffer is dropped and counted, and a partly sent one is
@@ -67,6 +77,8 @@ _CHUNK = 256 * 1024                 # bytes per recv: thousands of small events 
 _READS_PER_TURN = 8                 # then serve other connections (fairness)
 _BACKLOG = 4096                     # the kernel caps it at net.core.somaxconn
 MAX_NOTICES = 256                   # notice frames waiting for the server thread
+ACK_INTERVAL = 0.05                 # at most one ack per connection this often (seconds)
+_MAX_RECEIPTS = 256                 # unacknowledged reads remembered per connection
 # Agent-side field set on every accepted event: the sender's credentials (monitor.sender), from
 # the kernel, never from the wire (a client's own field of this name is overwritten).
 SENDER = "agent_sender"
@@ -102,7 +114,8 @@ JOB_SCOPE_BURST = 512.0
 
 class _Conn:
     __slots__ = ("sock", "pid", "uid", "ns_pid", "sender", "reader", "last_active",
-                 "partial_since", "tokens", "tokens_at", "wants_notices", "unsent")
+                 "partial_since", "tokens", "tokens_at", "wants_notices", "unsent",
+                 "wants_acks", "frames", "receipts", "ackable", "acked", "acked_at")
 
     def __init__(self, sock: socket.socket, pid: int, uid: int, gid: int, now: float):
         self.sock = sock
@@ -119,8 +132,16 @@ class _Conn:
         self.partial_since: float | None = None  # when the unfinished frame buffered began
         self.tokens = JOB_SCOPE_BURST            # job-scope events this connection may send
         self.tokens_at = now
-        self.wants_notices = False           # a start event said "notices": true
-        self.unsent = b""                    # the rest of a partly sent notice frame
+        self.wants_notices = False           # a hello or an event said "notices": true
+        self.unsent = b""                    # the rest of a partly sent notice or ack frame
+        self.wants_acks = False              # the hello said "ack": true
+        self.frames = 0                      # complete frames read from this connection
+        # (batch number, frames read by then), oldest first: frames that count as taken in
+        # once the consumer has finished that batch (module doc, "Acknowledgements").
+        self.receipts: deque = deque()
+        self.ackable = 0                     # frames taken in (the consumer finished them)
+        self.acked = 0                       # the last count acknowledged
+        self.acked_at = -1e9
 
     def take_token(self, now: float) -> bool:
         self.tokens = min(JOB_SCOPE_BURST, self.tokens + (now - self.tokens_at) * JOB_SCOPE_RATE)
@@ -150,7 +171,8 @@ class IngestServer:
                  on_events: Callable[[list], None] | None = None,
                  backlog: Callable[[], int] | None = None, max_backlog: int = 200_000,
                  max_per_pid: int = 16, max_per_uid: int = 256, frame_timeout: float = 30.0,
-                 log_interval: float = 60.0, clock: Callable[[], float] = time.monotonic):
+                 log_interval: float = 60.0, clock: Callable[[], float] = time.monotonic,
+                 processed: Callable[[], int] | None = None):
         if min(max_per_pid, max_per_uid, max_connections) < 1:
             raise ValueError("connection limits must be >= 1, got "
                              f"{max_per_pid}, {max_per_uid}, {max_connections}")
@@ -187,6 +209,12 @@ class IngestServer:
         # Notices (see module doc): waiting frames, and what became of them.
         self._notices: deque = deque()
         self.notices: dict[str, int] = {"sent": 0, "dropped": 0, "no_reader": 0}
+        # Acknowledgements (see module doc): on_events batches handed on so far, the
+        # consumer's count of those it finished, the connections owed an ack.
+        self._handed = 0
+        self._processed = processed
+        self._owed: set = set()
+        self.acks: dict[str, int] = {"sent": 0, "deferred": 0}
 
     # --- lifecycle ---------------------------------------------------------------------------
 
@@ -376,11 +404,17 @@ class IngestServer:
         select_timeout = min(1.0, self._frame_timeout / 2)
         next_sweep = self._clock() + select_timeout
         while not self._stopping.is_set():
+            if self._owed:
+                try:
+                    self._send_acks()
+                except Exception:
+                    self._unexpected("sending acks failed")
             if self._backed_up():
                 self._stopping.wait(0.005)      # let the consumer catch up (see module doc)
                 continue
             try:
-                ready = self._selector.select(timeout=select_timeout)
+                ready = self._selector.select(
+                    timeout=ACK_INTERVAL if self._owed else select_timeout)
             except Exception:
                 self._unexpected("select failed")
                 continue
@@ -426,6 +460,41 @@ class IngestServer:
                 except Exception:
                     self._unexpected("connection sweep failed")
 
+    def _send_acks(self) -> None:
+        """Acknowledge what the consumer has finished, to every connection owed an ack and
+        not acknowledged within ACK_INTERVAL (see module doc)."""
+        now = self._clock()
+        done = self._processed() if self._processed is not None else self._handed
+        for conn in list(self._owed):
+            if self._conns.get(conn.sock.fileno()) is not conn:
+                self._owed.discard(conn)        # closed meanwhile
+                continue
+            receipts = conn.receipts
+            while receipts and receipts[0][0] <= done:
+                conn.ackable = receipts.popleft()[1]
+            if conn.ackable > conn.acked and now - conn.acked_at >= ACK_INTERVAL:
+                if self._send_frame(conn, events.ack_frame(conn.ackable)):
+                    conn.acked, conn.acked_at = conn.ackable, now
+                    self.acks["sent"] += 1
+                else:
+                    self.acks["deferred"] += 1  # no room now: a later one says it all
+            if not receipts and conn.ackable == conn.acked:
+                self._owed.discard(conn)
+
+    def _receipt(self, conn: _Conn) -> None:
+        """Frames read from `conn` up to now count as taken in once the batch handed on last
+        (if any) is finished."""
+        if not conn.wants_acks:
+            return
+        receipts = conn.receipts
+        if receipts and (receipts[-1][0] == self._handed or len(receipts) >= _MAX_RECEIPTS):
+            # The same batch, or too many waiting: the newest one covers both (acknowledged
+            # later, never sooner, than each would be).
+            receipts[-1] = (self._handed, conn.frames)
+        else:
+            receipts.append((self._handed, conn.frames))
+        self._owed.add(conn)
+
     def _send_notices(self) -> None:
         while self._notices:
             pid, frame = self._notices.popleft()
@@ -436,19 +505,24 @@ class IngestServer:
                 self._send_notice(conn, frame)
 
     def _send_notice(self, conn: _Conn, frame: bytes) -> None:
+        if self._send_frame(conn, frame):
+            self.notices["sent"] += 1
+        else:
+            self.notices["dropped"] += 1
+
+    def _send_frame(self, conn: _Conn, frame: bytes) -> bool:
+        """Send a frame to a hook without waiting: False if none of it could go now."""
         # A partly sent frame goes first, or the hook's stream would no longer be frames.
         if conn.unsent:
             rest = self._send_some(conn, conn.unsent)
             conn.unsent = rest or b""
             if rest is None or rest:
-                self.notices["dropped"] += 1
-                return
+                return False
         rest = self._send_some(conn, frame)
         if rest is None or len(rest) == len(frame):
-            self.notices["dropped"] += 1
-            return
+            return False
         conn.unsent = rest
-        self.notices["sent"] += 1
+        return True
 
     @staticmethod
     def _send_some(conn: _Conn, data: bytes) -> bytes | None:
@@ -568,12 +642,14 @@ class IngestServer:
                 self._reject(exc.reason)
                 self._close(conn)
                 return
+            conn.frames += len(payloads)
             conn.last_active = now = self._clock()
             if not conn.reader.pending():
                 conn.partial_since = None
             elif payloads or conn.partial_since is None:
                 conn.partial_since = now
             self._deliver(conn, payloads)
+            self._receipt(conn)
             if len(data) < _CHUNK or self._backed_up():
                 return
 
@@ -611,6 +687,10 @@ class IngestServer:
             if event["type"] in events.JOB_SCOPE_TYPES and not conn.take_token(self._clock()):
                 self._reject(events.REJECT_RATE_LIMITED)
                 continue
+            if event["type"] == "hello":    # a connection property, not an event
+                conn.wants_acks = conn.wants_acks or event.get("ack") is True
+                conn.wants_notices = conn.wants_notices or event.get("notices") is True
+                continue
             if "source" in event:
                 del event["source"]     # the socket speaks for the hook only: no claiming "fs"
             if "notices" in event:
@@ -622,6 +702,7 @@ class IngestServer:
         if not good:
             return
         if self._on_events is not None:
+            self._handed += 1
             try:
                 self._on_events(good)
             except Exception:

@@ -25,11 +25,13 @@ class Receiver:
     """Collects events sent to a Unix socket at `path`. start()/stop() may be repeated to
     simulate an agent restart (stop closes every connection, like a dying agent)."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, ack: bool = False):
         self.path = path
+        self.ack = ack                     # acknowledge every frame read, as an agent does
         self._lock = threading.Lock()
         self._events: list[dict] = []
         self.rejects: list[str] = []
+        self.hellos: list[dict] = []       # connection-opening frames, not events
         self.peer_pids: list[int] = []     # peer pid of each event, parallel to events
         self.connections = 0
         self.closed_peers: list[int] = []  # peer pid of each connection read to its end
@@ -132,13 +134,13 @@ class Receiver:
                                                 _PEERCRED.size)
                         pid = _PEERCRED.unpack(creds)[0]
                         conn.setblocking(False)
-                        conns[conn] = (events.FrameReader(), pid)
+                        conns[conn] = [events.FrameReader(), pid, 0]
                         sel.register(conn, selectors.EVENT_READ, "conn")
                         with self._lock:
                             self.connections += 1
                         continue
                     conn = key.fileobj
-                    reader, pid = conns[conn]
+                    reader, pid, _ = conns[conn]
                     try:
                         data = conn.recv(65536)
                     except BlockingIOError:
@@ -154,19 +156,25 @@ class Receiver:
                         with self._lock:
                             self.closed_peers.append(pid)
                         continue
-                    self._feed(reader, data, pid)
+                    conns[conn][2] += self._feed(reader, data, pid)
+                    if self.ack:
+                        try:
+                            conn.send(events.ack_frame(conns[conn][2]))
+                        except OSError:
+                            pass
         finally:
             for conn in conns:
                 conn.close()
             sel.close()
             self._listener.close()
 
-    def _feed(self, reader: events.FrameReader, data: bytes, pid: int) -> None:
+    def _feed(self, reader: events.FrameReader, data: bytes, pid: int) -> int:
+        """Record the frames in `data`; return how many were complete."""
         try:
             payloads = reader.feed(data)
         except events.EventError as exc:
             self._reject(exc.reason)
-            return
+            return 0
         for payload in payloads:
             try:
                 event = events.decode(payload)
@@ -174,8 +182,12 @@ class Receiver:
                 self._reject(exc.reason)
                 continue
             with self._lock:
+                if event["type"] == "hello":
+                    self.hellos.append(event)
+                    continue
                 self._events.append(event)
                 self.peer_pids.append(pid)
+        return len(payloads)
 
     def _reject(self, reason: str) -> None:
         with self._lock:

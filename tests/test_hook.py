@@ -57,7 +57,7 @@ def line_of(workdir: str, marker: str) -> int:
     raise AssertionError(marker)
 
 
-def test_install_after_import_reports_start_and_end(rx, sock, workdir):
+def test_install_after_import_reports_the_save(rx, sock, workdir):
     result = run_script(workdir, """
         import json, os, torch, ckptwatch
         ok = ckptwatch.install()
@@ -69,11 +69,16 @@ def test_install_after_import_reports_start_and_end(rx, sock, workdir):
         GROUP_RANK="0", TORCHELASTIC_RUN_ID="job-1", TORCHELASTIC_RESTART_COUNT="0",
         MASTER_ADDR="127.0.0.1", MASTER_PORT="29500", CKPTWATCH_NODE="node-x")
     assert result["ok"] is True
-    (start,) = rx.wait_count("start", 1)
     (end,) = rx.wait_count("end", 1)
+    rx.wait_drained()
+    # A short save is normally reported by its end alone (ckptwatch/emitter.py); its start is
+    # sent only if the save is still running a turn or two of the sender later (a loaded
+    # machine can make it so): either way every event describes the same write.
+    starts = rx.of_type("start")
+    assert len(starts) <= 1
     path = os.path.join(workdir, "ckpt.pt")
     site = f"{os.path.join(workdir, 'child.py')}:{line_of(workdir, 'SAVE-HERE')}"
-    for event in (start, end):
+    for event in [end] + starts:
         assert event["pid"] == result["pid"]
         assert event["path"] == path
         assert event["site"] == site
@@ -85,8 +90,9 @@ def test_install_after_import_reports_start_and_end(rx, sock, workdir):
         assert event["seq"] == 1
     assert end["outcome"] == "ok"
     assert end["bytes"] == result["size"]
-    assert end["start_wall"] == start["wall"] and end["start_mono"] == start["mono"]
-    assert start["mono"] <= end["mono"]
+    assert end["start_wall"] <= end["wall"] and end["start_mono"] <= end["mono"]
+    for start in starts:
+        assert end["start_wall"] == start["wall"] and end["start_mono"] == start["mono"]
     assert rx.rejects == []
 
 
@@ -113,7 +119,9 @@ def test_install_twice_unininstall_twice_no_double_wrap(rx, sock, workdir):
                       "wrapped": True, "restored": True, "u1": True, "u2": False,
                       "installed": False}
     rx.wait_count("end", 1)
-    assert [e["path"] for e in rx.events] == [os.path.join(workdir, "a.pt")] * 2
+    rx.wait_drained()
+    assert [e["path"] for e in rx.of_type("end")] == [os.path.join(workdir, "a.pt")]
+    assert {e["path"] for e in rx.events} == {os.path.join(workdir, "a.pt")}
 
 
 def test_install_before_torch_import_patches_when_torch_arrives(rx, sock, workdir):
@@ -159,8 +167,8 @@ def test_uninstall_leaves_a_later_foreign_wrapper_alone(rx, sock, workdir):
                       "serialization_restored": True, "reinstalled": True, "calls": 2}
     rx.wait_count("end", 1)
     rx.wait_drained()   # the child has exited: a (wrong) second pair would be here now
-    assert [(e["type"], os.path.basename(e["path"])) for e in rx.events] == \
-        [("start", "loud.pt"), ("end", "loud.pt")]
+    assert [os.path.basename(e["path"]) for e in rx.of_type("end")] == ["loud.pt"]
+    assert {os.path.basename(e["path"]) for e in rx.events} == {"loud.pt"}
 
 
 def test_return_value_and_exception_identity(rx, sock, workdir):
@@ -235,7 +243,7 @@ def test_path_kinds_and_file_objects(rx, sock, workdir):
     assert all(e["path"] == os.path.join(workdir, name) for name, e in got.items())
     assert got["bytes.pt"]["outcome"] == "AttributeError"
     assert got["fileobj.pt"]["bytes"] == result["told"] > 0
-    assert len(ends) == 4 and len(rx.of_type("start")) == 4
+    assert len(ends) == 4 and len(rx.of_type("start")) <= 4
 
 
 def test_many_saves_into_one_open_file_are_one_write(rx, sock, workdir):
@@ -253,7 +261,7 @@ def test_many_saves_into_one_open_file_are_one_write(rx, sock, workdir):
     assert result["reported"] == 2 and result["coalesced"] == 199
     rx.wait_count("end", 2)
     rx.wait_drained()
-    assert len(rx.events) == 4
+    assert len(rx.of_type("end")) == 2 and len(rx.events) <= 4
 
 
 def test_agent_absent_save_succeeds_without_waiting(workdir, sockdir):
@@ -272,7 +280,9 @@ def test_agent_absent_save_succeeds_without_waiting(workdir, sockdir):
                           "queued": get_emitter().stats()["queued"]}))
         """, missing, CKPTWATCH_FLUSH_TIMEOUT="30")
     assert result["loaded"] == 19
-    assert result["queued"] == 40             # kept for when the agent comes back
+    # Kept for when the agent comes back: one frame per save, the end (no start is sent for
+    # a save that has ended, and none is sent while there is no connection).
+    assert result["queued"] == 20
     # Loose bounds only: no save waits for a connect (2 s socket timeout), and exit does not
     # wait out the 30 s flush timeout when nobody listens.
     assert result["slowest"] < 1.0
@@ -377,10 +387,10 @@ def test_atomic_policy_reports_the_users_path_around_the_whole_atomic_save(rx, s
         """, sock, CKPTWATCH_POLICY="atomic")
     assert result["ok"] is True and result["policy"] == "atomic" and result["atomic"] == 1
     assert result["files"] == ["child.py", "x.pt"]
-    (start,) = rx.wait_count("start", 1)
     (end,) = rx.wait_count("end", 1)
+    rx.wait_drained()
     path = os.path.join(workdir, "x.pt")
-    assert start["path"] == end["path"] == path
+    assert {e["path"] for e in rx.events} == {path}
     assert end["outcome"] == "ok" and end["bytes"] == result["size"]
 
 
@@ -393,8 +403,9 @@ def test_only_the_warn_policy_asks_the_agent_for_notices(rx, sock, workdir, chos
         torch.save(1, "x.pt")
         print(json.dumps({}))
         """, sock, CKPTWATCH_POLICY=chosen)
-    (start,) = rx.wait_count("start", 1)
-    assert start.get("notices", False) is asks
+    (end,) = rx.wait_count("end", 1)
+    assert end.get("notices", False) is asks        # a short save's only event
+    assert [hello.get("notices", False) for hello in rx.hellos] == [asks]
 
 
 def test_from_torch_import_save_before_install_keeps_the_original(rx, sock, workdir):
@@ -441,10 +452,10 @@ def test_torch_distributed_checkpoint_shard_is_one_write(rx, sock, workdir):
     assert result["reported"] == 1 and result["coalesced"] == 49, result
     rx.wait_count("end", 1)
     rx.wait_drained()
-    assert [(e["type"], e["path"]) for e in rx.events] == [
-        ("start", os.path.join(workdir, "dcp", result["shards"][0])),
-        ("end", os.path.join(workdir, "dcp", result["shards"][0]))]
-    assert rx.events[1]["site"].startswith(os.path.join(workdir, "child.py") + ":")
+    shard = os.path.join(workdir, "dcp", result["shards"][0])
+    assert [e["path"] for e in rx.of_type("end")] == [shard]
+    assert {e["path"] for e in rx.events} == {shard}
+    assert rx.of_type("end")[0]["site"].startswith(os.path.join(workdir, "child.py") + ":")
 
 
 def test_threads_saving_concurrently_are_each_reported(rx, sock, workdir):
@@ -463,8 +474,8 @@ def test_threads_saving_concurrently_are_each_reported(rx, sock, workdir):
     assert result["reported"] == 40 and result["errors"] == 0
     ends = rx.wait_count("end", 40)
     assert sorted(e["seq"] for e in ends) == list(range(1, 41))
-    starts = {e["seq"]: e["path"] for e in rx.of_type("start")}
-    assert all(starts[e["seq"]] == e["path"] for e in ends)
+    paths = {e["seq"]: e["path"] for e in ends}
+    assert all(paths[e["seq"]] == e["path"] for e in rx.of_type("start"))
     assert all(e["func"] == "work" for e in ends)
 
 

@@ -69,6 +69,11 @@ MAX_CHAIN_WRITES = 256
 MAX_PATH_WRITES = 1024
 # Keys of writes closed as "lost": their real end, if it still arrives, must not count twice.
 _LOST_KEYS_CAP = 65536
+# Writes finished lately, by key and start time: a hook sends again what the agent had not
+# acknowledged when a connection ended (ckptwatch/emitter.py), so a start or end seen before
+# can arrive again within seconds; it must not make a second write. The start time tells a
+# repeat from a new process that got a recycled pid. ~150 bytes each.
+_DONE_KEYS_CAP = 16384
 # Open (started, not ended) writes held at once: per writer, per path, in all. A real process
 # has one or a few saves in flight; beyond a cap a start is refused and counted
 # (refused_starts), and its end, if it comes, still reports the write standing alone. The caps
@@ -343,6 +348,8 @@ class Detector:
         self._writers: dict[tuple, Writer] = {}
         self._active: dict[str, int] = {}
         self._lost_keys: OrderedDict[tuple, None] = OrderedDict()
+        self._done_keys: OrderedDict[tuple, None] = OrderedDict()
+        self.repeated = 0       # starts and ends ignored as repeats of a finished write
         self._suspects: set = set()
         self._next_scan = -_INF
         self._due_heap: list = []
@@ -499,6 +506,9 @@ class Detector:
     def _start(self, key: tuple, event: dict, now: float, out: list) -> None:
         if key in self._open or key in self._lost_keys:
             return   # a duplicate start, or one whose write was already closed as lost
+        if key + (event["mono"],) in self._done_keys:
+            self.repeated += 1
+            return
         reason = self._over_open_cap(key[:2], event["path"])
         if reason is not None:
             self._refused[reason] += 1
@@ -538,9 +548,17 @@ class Detector:
         if key in self._lost_keys:
             del self._lost_keys[key]   # already returned as lost: never count it twice
             return
+        done = key + (event["start_mono"],)
+        if done in self._done_keys:
+            self.repeated += 1
+            return
+        self._done_keys[done] = None
+        if len(self._done_keys) > _DONE_KEYS_CAP:
+            self._done_keys.popitem(last=False)
         entry = self._open.get(key)
         if entry is None:
-            # The start was dropped (or seen before an eviction): the end stands alone.
+            # The start was not sent (a short save), dropped, or seen before an eviction:
+            # the end stands alone.
             state = self._state_for(event["path"], now, out)
             entry = _Entry(self._writer(event), event["path"], event["seq"],
                            event["start_wall"], event["start_mono"], event.get("site"),

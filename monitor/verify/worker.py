@@ -156,6 +156,10 @@ class VerifySchedule:
         if watched or sender is not None:
             self._note(path, None if watched else sender)
 
+    def note_sender(self, path: str, sender) -> None:
+        """`sender` (monitor.sender.Sender) wrote `path`: it may be read with its rights."""
+        self._note(path, sender)
+
     def _note(self, path: str, sender) -> None:
         if sender is None:                     # the agent's watcher: the agent's rights
             self._senders.pop(path, None)
