@@ -83,6 +83,8 @@ _reported_ids: set = set()        # (id, fileno) for file objects that refuse we
 _wrappers: list = []              # every wrapper we made: the marker alone is not proof, since
                                   # functools.wraps on someone else's wrapper copies it
 _internal_code: dict = {}         # code object -> True if it belongs to torch or ckptwatch
+_lines: dict = {}                 # (code, f_lasti) -> line: f_lineno scans the code's line
+                                  # table from its start on every read, long in a train loop
 _torch_dir: str | None = None
 _counters = {"reported": 0, "coalesced": 0, "unreported": 0, "errors": 0}
 _atomic = None                    # ckptwatch.atomic.save under the atomic policy, else None
@@ -338,37 +340,37 @@ def _bind_emitter():
 
 _ident_members = (None, "")     # (identity dict, its members as JSON text): one slot, since
                                 # identity() returns the same dict until the identity changes
-_site_members: dict = {}        # (code, line) -> '"site":...,"func":...'
-_last_common = (None, "", "", "")   # (pending, members a start and its end share, and the
-                                    # start's wall and mono as JSON numbers)
+_prefixes: dict = {}            # (path, code, line) -> (identity dict, prefix text): see _prefix
+_MAX_PREFIXES = 1024
 _json_str = events.json_str
 
 
-def _common_members(pending) -> tuple:
-    """(members a start and its end share, the start's wall, its mono), as JSON text."""
-    global _ident_members, _last_common
-    last = _last_common
-    if last[0] is pending:
-        return last[1:]
-    ident, seq, path, code, line, wall, mono = pending
-    cached = _ident_members
-    if cached[0] is ident:
-        ident_text = cached[1]
+def _prefix(pending) -> str:
+    """The members a save's start and end share except seq, as JSON text ending in '"seq":'.
+
+    Cached per (path, call site) for the current identity: a job saves to a few paths from a
+    few sites, so the save path formats only numbers (the end frame is built on the save
+    path: ckptwatch/emitter.py, "Cost")."""
+    global _ident_members
+    ident, _seq, path, code, line = pending[:5]
+    key = (path, code, line)
+    cached = _prefixes.get(key)
+    if cached is not None and cached[0] is ident:
+        return cached[1]
+    known = _ident_members
+    if known[0] is ident:
+        ident_text = known[1]
     else:
         ident_text = events.json_members(ident)
         _ident_members = (ident, ident_text)
-    site_text = _site_members.get((code, line))
-    if site_text is None:
-        site_text = events.json_members({
-            "site": f"{code.co_filename}:{line}" if code is not None else None,
-            "func": code.co_name if code is not None else None})
-        if len(_site_members) >= 4096:
-            _site_members.clear()
-        _site_members[(code, line)] = site_text
-    common = '%s,"seq":%d,"path":%s,%s' % (ident_text, seq, _json_str(path), site_text)
-    # float.__repr__ (%r) is how json writes a float; time.time() and monotonic() are finite.
-    _last_common = last = (pending, common, repr(wall), repr(mono))
-    return last[1:]
+    site_text = events.json_members({
+        "site": f"{code.co_filename}:{line}" if code is not None else None,
+        "func": code.co_name if code is not None else None})
+    text = '%s,"path":%s,%s,"seq":' % (ident_text, _json_str(path), site_text)
+    if len(_prefixes) >= _MAX_PREFIXES:
+        _prefixes.clear()
+    _prefixes[key] = (ident, text)
+    return text
 
 
 _start_extra = ""       # ',"notices":true' under the warn policy (see want_notices)
@@ -381,19 +383,27 @@ def want_notices() -> None:
     _start_extra = ',"notices":true'
 
 
+# Times as fixed-point text: wall to the microsecond, mono to the nanosecond (the clocks' own
+# resolution), at half the cost of the shortest float repr. A start and its end carry the very
+# same text for the start's times, so the agent pairs them exactly.
+_START = '{"v":%d,"type":"start",%%s%%d,"wall":%%.6f,"mono":%%.9f%%s}' % SCHEMA_VERSION
+_END = ('{"v":%d,"type":"end",%%s%%d,"wall":%%.6f,"mono":%%.9f,"start_wall":%%.6f,'
+        '"start_mono":%%.9f,"bytes":%%s,"outcome":%%s%%s}' % SCHEMA_VERSION)
+_OK = _json_str("ok")
+
+
 def _start_frame(pending) -> bytes:
-    return events.frame(('{"v":%d,"type":"start",%s,"wall":%s,"mono":%s%s}' % (
-        (SCHEMA_VERSION,) + _common_members(pending) + (_start_extra,))).encode("ascii"))
+    return events.frame((_START % (_prefix(pending), pending[1], pending[5], pending[6],
+                                   _start_extra)).encode("ascii"))
 
 
 def _end_frame(pending, wall, mono, size, outcome) -> bytes:
-    common, start_wall, start_mono = _common_members(pending)
-    return events.frame((
-        '{"v":%d,"type":"end",%s,"wall":%r,"mono":%r,"start_wall":%s,"start_mono":%s,'
-        '"bytes":%s,"outcome":%s%s}' % (
-            SCHEMA_VERSION, common, wall, mono, start_wall, start_mono,
-            "null" if size is None else "%d" % size, _json_str(outcome),
-            _start_extra)).encode("ascii"))
+    cached = _prefixes.get((pending[2], pending[3], pending[4]))
+    prefix = cached[1] if cached is not None and cached[0] is pending[0] else _prefix(pending)
+    return events.frame((_END % (
+        prefix, pending[1], wall, mono, pending[5], pending[6],
+        "null" if size is None else size, _OK if outcome == "ok" else _json_str(outcome),
+        _start_extra)).encode("ascii"))
 
 
 def _begin(args, kwargs):
@@ -408,7 +418,14 @@ def _begin(args, kwargs):
     if frame is None:
         code = line = None
     else:
-        code, line = frame.f_code, frame.f_lineno
+        code = frame.f_code
+        site = (code, frame.f_lasti)
+        line = _lines.get(site)
+        if line is None:
+            line = frame.f_lineno
+            if len(_lines) >= 4096:
+                _lines.clear()
+            _lines[site] = line
     seq = next(_seq)
     pending = (identity(), seq, path, code, line, time.time(), time.monotonic())
     (_emitter or _bind_emitter()).defer(seq, (_start_frame, pending))

@@ -480,7 +480,7 @@ def test_threads_saving_concurrently_are_each_reported(rx, sock, workdir):
 
 
 def test_event_frames_decode_to_the_documented_fields():
-    # The sender thread splices each frame's JSON from pre-encoded parts (identity, call site)
+    # The hook splices each frame's JSON from pre-encoded parts (identity, call site)
     # instead of json-encoding a dict: the frame must decode to exactly the event the wire
     # contract describes, whatever characters the identity and path hold.
     from ckptwatch import events, hook
