@@ -753,3 +753,30 @@ def test_node_only_jobs_keep_the_short_settle():
                             (1.0, end(11, 1, 1.0, 0.0)), (1.1, end(12, 1, 1.1, 0.1)),
                             (1.7, start(13, 1, 1.7, path="/other"))])
     assert len(collisions(out)) == 1 and collisions(out)[0].scope == "node"
+
+
+def test_a_write_sent_again_after_a_reconnect_is_not_a_second_write():
+    # A hook sends again what the agent had not acknowledged when the connection ended
+    # (ckptwatch/emitter.py): a start or end seen before must change nothing -- no second
+    # write, and above all no collision of a process with itself.
+    clock = FakeClock()
+    det = make(clock, window=0, settle=0.5)
+    first = feed(det, clock, [(1000.0, start(10, 1, 1000.0)), (1000.2, end(10, 1, 1000.2, 1000.0)),
+                              (1000.3, end(11, 1, 1000.3, 1000.25))])       # a lone end
+    again = feed(det, clock, [(1001.0, start(10, 1, 1000.0)), (1001.0, end(10, 1, 1000.2, 1000.0)),
+                              (1001.1, end(11, 1, 1000.3, 1000.25))])
+    later = advance(det, clock, 1010.0)
+    assert len(writes(first)) == 2
+    assert writes(again) == [] and writes(later) == []
+    assert collisions(first + again + later) == []
+    assert det.repeated == 3
+
+
+def test_a_recycled_pid_starting_its_own_seq_1_is_a_new_write():
+    # Another process may get the pid of one that ended, and count its writes from 1 again:
+    # its start time tells it apart from a repeat.
+    clock = FakeClock()
+    det = make(clock, window=0, settle=0.5)
+    out = feed(det, clock, [(1000.0, end(10, 1, 1000.1, 1000.0)),
+                            (1005.0, end(10, 1, 1005.1, 1005.0))])
+    assert len(writes(out)) == 2 and det.repeated == 0
