@@ -38,6 +38,8 @@ Event object (schema version 1). Fields marked (start, end) appear in both kinds
   wall         float time.time() when this event happened (seconds since the epoch)
   mono         float time.monotonic() when this event happened (CLOCK_MONOTONIC is node-wide
                      on Linux, so the agent can order events of different processes exactly)
+                     (the hook writes wall to the microsecond and mono to the nanosecond, a
+                     start's and its end's copy of the start times as the same text)
   --- end only ---
   start_wall   float time.time() when the save began (the end event stands alone if its start
   start_mono   float  was dropped, or never sent: the hook sends no start for a save that ends
