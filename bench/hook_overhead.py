@@ -11,8 +11,8 @@ added time per save), and the ratio. A third column saves with the hook active b
 listening (the agent-down case). Targets (issue 2): <= 10 us added at the median for 4 KiB,
 <= 1 % for 64 MiB.
 
-Whole process: the save path alone misses the sender thread, which encodes and sends every
-event on the training process's GIL. Each sample is a fresh child process that makes N saves
+Whole process: the save path alone misses the sender thread, which sends the frames on the
+training process's GIL, and the cost of handing the GIL to it and back. Each sample is a fresh child process that makes N saves
 in a loop, plain (CKPTWATCH_DISABLE=1, hook not installed) or instrumented (hook installed,
 the agent receiving), then waits for the sender to drain (flush) and reads its wall time and
 its process CPU time (time.process_time: every thread of the child, the sender included).

@@ -193,11 +193,25 @@ class Emitter:
             if len(queue) >= self.max_queue or self._closed:
                 self._count_drop()
                 return
+            if type(event) is not bytes and self._deferred:
+                self._release_deferred()
             queue.append(event)
             if self._idle:
                 self._wake.set()
         except Exception:
             self._errors += 1
+
+    def _release_deferred(self) -> None:
+        # An event other than a save's own frames (job scope's "remote" and "hazard" events
+        # name a save of this process by its seq) may need the agent to know that save
+        # already: held starts go first. Under the lock, so that undefer() of a start taken
+        # here waits until it is queued (its end must come after it).
+        with self._lock:
+            deferred, queue = self._deferred, self._queue
+            for key in list(deferred):
+                start = deferred.pop(key, None)
+                if start is not None:
+                    queue.append(start)
 
     def defer(self, key, start) -> None:
         """A save began: `start` (as for emit) is sent only if the save is still running at
@@ -217,7 +231,10 @@ class Emitter:
 
     def undefer(self, key) -> bool:
         """The save `key` ended: True if its start was never sent (and now never will be)."""
-        return self._deferred.pop(key, None) is not None
+        if self._deferred.pop(key, None) is not None:
+            return True
+        with self._lock:        # a _release_deferred() that took it has queued it by now
+            return False
 
     def _count_drop(self) -> None:
         with self._lock:

@@ -207,3 +207,17 @@ def test_whatever_the_agent_sends_the_hook_carries_on(sock, make_emitter, garbag
     stats = emitter.stats()
     assert stats["errors"] == 0 and stats["unacked"] >= 0
     server.drop()
+
+
+def test_a_job_scope_event_goes_after_the_start_of_the_save_it_names(sock, make_emitter):
+    # Job scope's "remote" and "hazard" events name a save of this process by its seq: the
+    # agent takes them only for a save it already knows, so a held start goes out first.
+    with Receiver(sock) as rx:
+        emitter = make_emitter(sock)
+        emitter.defer(3, event("start", 3))
+        emitter.emit({"v": 1, "type": "jobscope", "node": "test-node", "pid": os.getpid(),
+                      "state": "active", "wall": time.time()})
+        assert emitter.undefer(3) is False
+        emitter.emit(event("end", 3))
+        rx.wait_count("end", 1)
+        assert [e["type"] for e in rx.events] == ["start", "jobscope", "end"]
