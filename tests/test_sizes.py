@@ -37,3 +37,16 @@ def test_bounded():
     for i in range(50):
         h.finished(w(10, 10, float(i), path=f"/c/{i}.pt"))
     assert len(h._last) == 5
+
+
+def test_ends_arriving_out_of_order_are_compared_in_the_order_they_happened():
+    # Two processes' ends come on two connections, read in no fixed order: the agent can
+    # see the later write first. before/after follow the writes' end times, and the file's
+    # last known size stays the later write's.
+    h = SizeHistory(window=60, tolerance=0.01)
+    assert h.finished(w(11, 700, 1.2)) is None
+    f = h.finished(w(10, 1000, 1.0))
+    assert (f.get("size_before"), f.get("size_after")) == (1000, 700)
+    assert [x["rank"] for x in f.writers] == [0, 1]
+    g = h.finished(w(12, 2000, 2.0))                       # compared with the 700 of t=1.2
+    assert (g.get("size_before"), g.get("size_after")) == (700, 2000)

@@ -26,23 +26,27 @@ class SizeHistory:
         if write.outcome != "ok" or write.bytes is None or write.end_mono is None:
             return None
         previous = self._last.get(write.path)
-        self._last[write.path] = (write.end_mono, write.bytes, write)
+        if previous is None or write.end_mono >= previous[0]:
+            self._last[write.path] = (write.end_mono, write.bytes, write)
         self._last.move_to_end(write.path)
         if len(self._last) > self.max_paths:
             self._last.popitem(last=False)
         if previous is None:
             return None
-        end, size, before = previous
-        if before.writer.key == write.writer.key or write.end_mono - end > self.window:
+        # Ends of different processes arrive on different connections, read in no fixed
+        # order: compare in the order the writes ended, not the order they came in.
+        other = previous[2]
+        before, after = (other, write) if write.end_mono >= other.end_mono else (write, other)
+        if before.writer.key == after.writer.key or after.end_mono - before.end_mono > self.window:
             return None
-        largest = max(size, write.bytes, 1)
-        if abs(size - write.bytes) / largest <= self.tolerance:
+        largest = max(before.bytes, after.bytes, 1)
+        if abs(before.bytes - after.bytes) / largest <= self.tolerance:
             return None
-        jobs = sorted({before.writer.job_label, write.writer.job_label})
+        jobs = sorted({before.writer.job_label, after.writer.job_label})
         return Finding(FINDING_SIZE_FLUCTUATION, write.path,
-                       jobs[0] if len(jobs) == 1 else ",".join(jobs), write.end_wall,
-                       write.writer.node, write.source,
+                       jobs[0] if len(jobs) == 1 else ",".join(jobs), after.end_wall,
+                       after.writer.node, write.source,
                        tuple({"pid": w.writer.pid, "rank": w.writer.rank, "node": w.writer.node,
-                              "bytes": w.bytes, "site": w.site} for w in (before, write)),
-                       {"v": 1, "rule": "finished sizes differ", "size_before": size,
-                        "size_after": write.bytes})
+                              "bytes": w.bytes, "site": w.site} for w in (before, after)),
+                       {"v": 1, "rule": "finished sizes differ", "size_before": before.bytes,
+                        "size_after": after.bytes})
