@@ -25,7 +25,7 @@ from exporters.journal import Journal, JournalError, JournalExporter
 from exporters.logline import LogExporter
 from exporters.prometheus import MetricsExporter, MetricsServer, MetricsState, build_registry
 from monitor.verify import crc
-from monitor import logformat
+from monitor import gcpolicy, logformat
 from monitor.config import Config
 from monitor.detect.detector import Detector
 from monitor.detect.merge import SourceMerger
@@ -543,4 +543,5 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except SystemExit as exc:   # --help
         return exc.code if isinstance(exc.code, int) else 0
+    gcpolicy.configure()        # this process is the agent: its collector settings
     return run(cfg)

@@ -753,3 +753,62 @@ def test_node_only_jobs_keep_the_short_settle():
                             (1.0, end(11, 1, 1.0, 0.0)), (1.1, end(12, 1, 1.1, 0.1)),
                             (1.7, start(13, 1, 1.7, path="/other"))])
     assert len(collisions(out)) == 1 and collisions(out)[0].scope == "node"
+
+
+# --- the fast paths hold to the plain ones they stand for ----------------------------------
+
+def test_write_of_builds_the_same_write_as_its_constructor():
+    import inspect
+
+    from monitor.detect.model import Writer
+    assert list(inspect.signature(Write.of).parameters) == list(Write.__dataclass_fields__)
+    writer = Writer("n1", 7, 3, 3, 8, 8, 0, "j1", None, 2)
+    for values in [(writer, "/c/x.pt", 4, 1.5, 2.5, 3.5, 4.5, 100, "ok", "t.py:1", "f", "hook",
+                    None),
+                   (writer, "/c/y.pt", 5, 1.0, 1.0, None, None, None, None, None, None, "job",
+                    11)]:
+        fast, plain = Write.of(*values), Write(*values)
+        assert fast == plain and hash(fast) == hash(plain) and repr(fast) == repr(plain)
+        assert vars(fast) == vars(plain) and list(vars(fast)) == list(vars(plain))
+        assert fast.to_record() == plain.to_record()
+
+
+def test_a_paths_entries_keep_insorts_order_with_ties_late_starts_and_nan():
+    """_PathState.insert appends when it can; the list must be exactly what insort makes,
+    also once a NaN start (which compares false with everything) is in it."""
+    from bisect import insort
+
+    from monitor.detect.detector import _Entry, _PathState, _sort_key
+    from monitor.detect.model import Writer
+    writer = Writer("n1", 1)
+    for seed in range(200):
+        rng = random.Random(seed)
+        state, reference = _PathState("/p"), []
+        for order in range(rng.randint(1, 40)):
+            start_mono = rng.choice([float(order), float(order), rng.randint(0, 40) / 4,
+                                     float("nan") if rng.random() < 0.2 else 1.0])
+            entry = _Entry(writer, "/p", order, start_mono, start_mono, None, None, order, 0.0)
+            state.insert(entry)
+            insort(reference, entry, key=_sort_key)
+            assert state.entries == reference, seed
+
+
+def test_grouping_a_list_in_start_order_matches_grouping_after_the_sort():
+    from bisect import insort
+
+    from monitor.detect.detector import _Entry, _sort_key, group_writes
+    from monitor.detect.model import Writer
+    for seed in range(200):
+        rng = random.Random(seed)
+        entries = []
+        for order in range(rng.randint(1, 30)):
+            start_mono = rng.randint(0, 60) / 4      # a coarse grid: equal starts are common
+            entry = _Entry(Writer("n1", rng.randint(1, 3)), "/p", order, start_mono,
+                           start_mono, None, None, order, 0.0)
+            if rng.random() < 0.8:
+                end_mono = start_mono + rng.choice([0.0, rng.randint(1, 12) / 4])
+                entry.finish(end_mono, end_mono, 1, "ok", 0.0)
+            insort(entries, entry, key=_sort_key)
+        fast = group_writes(entries, in_start_order=True)
+        plain = group_writes(entries)
+        assert [g.entries for g in fast] == [g.entries for g in plain], seed

@@ -97,7 +97,7 @@ class _Entry:
 
     __slots__ = ("writer", "path", "seq", "start_wall", "start_mono", "end_wall", "end_mono",
                  "bytes", "outcome", "site", "func", "order", "seen_at", "done_at",
-                 "write", "dropped", "source", "seen_by", "reported", "reporter")
+                 "write", "dropped", "source", "seen_by", "reported", "reporter", "stop")
 
     def __init__(self, writer: Writer, path: str, seq: int, start_wall: float,
                  start_mono: float, site, func, order: int, seen_at: float,
@@ -112,6 +112,9 @@ class _Entry:
         self.start_mono = start_mono
         self.end_wall = None
         self.end_mono = None
+        # End of the interval for overlap purposes (+inf while in flight): an attribute, not
+        # a property, because grouping reads it several times per write.
+        self.stop = _INF
         self.bytes = None
         self.outcome = None
         self.site = site
@@ -127,29 +130,20 @@ class _Entry:
     def key(self) -> tuple:
         return (self.writer.node, self.writer.pid, self.seq)
 
-    @property
-    def stop(self) -> float:
-        """End of the interval for overlap purposes (+inf while in flight)."""
-        if self.end_mono is None:
-            return _INF
-        return max(self.end_mono, self.start_mono)
-
     def finish(self, end_wall: float, end_mono: float, nbytes, outcome: str, now: float) -> Write:
         self.end_wall, self.end_mono = end_wall, end_mono
+        self.stop = max(end_mono, self.start_mono)
         self.bytes, self.outcome = nbytes, outcome
         self.done_at = max(end_mono, now)
-        self.write = Write(writer=self.writer, path=self.path, seq=self.seq,
-                           start_wall=self.start_wall, start_mono=self.start_mono,
-                           end_wall=end_wall, end_mono=end_mono, bytes=nbytes, outcome=outcome,
-                           site=self.site, func=self.func, source=self.source,
-                           reporter=self.reporter)
+        self.write = Write.of(self.writer, self.path, self.seq, self.start_wall,
+                              self.start_mono, end_wall, end_mono, nbytes, outcome, self.site,
+                              self.func, self.source, self.reporter)
         return self.write
 
     def in_flight_write(self) -> Write:
         """The write as known so far (end, bytes and outcome None), for an early report."""
-        return Write(writer=self.writer, path=self.path, seq=self.seq,
-                     start_wall=self.start_wall, start_mono=self.start_mono, site=self.site,
-                     func=self.func, source=self.source)
+        return Write.of(self.writer, self.path, self.seq, self.start_wall, self.start_mono,
+                        None, None, None, None, self.site, self.func, self.source, None)
 
 
 _MAX_CACHED_WRITERS = 4096     # a job has a few writers; a flood of distinct identities only
@@ -223,11 +217,20 @@ class _Group:
         return {e.writer.run_key for e in self.entries} - {None}
 
 
-def group_writes(entries: list) -> list:
-    """Split writes into maximal overlap groups (a sort, nearly free here, and one sweep)."""
+def group_writes(entries: list, in_start_order: bool = False) -> list:
+    """Split writes into maximal overlap groups (a sort, nearly free here, and one sweep).
+
+    in_start_order: the entries are sorted by (start_mono, order) and no start is NaN (a
+    path's list: _PathState.insert). Without two equal starts that already is the sweep's
+    order, and the sort, a Python key call per entry each time a path is regrouped, is
+    skipped."""
+    if in_start_order and len({entry.start_mono for entry in entries}) == len(entries):
+        ordered = entries
+    else:
+        ordered = sorted(entries, key=_sweep_key)
     groups: list[_Group] = []
     current = None
-    for entry in sorted(entries, key=_sweep_key):
+    for entry in ordered:
         if current is not None and entry.start_mono < current.stop:
             current.add(entry)
         else:
@@ -270,7 +273,7 @@ class _Chain:
 
 
 class _PathState:
-    __slots__ = ("path", "entries", "barriers", "due", "open")
+    __slots__ = ("path", "entries", "barriers", "due", "open", "nan_start")
 
     def __init__(self, path: str):
         self.path = path
@@ -278,6 +281,22 @@ class _PathState:
         self.barriers: list[_Barrier] = []
         self.due = None                     # the earliest due time pushed on the heap
         self.open = 0                       # entries still in flight
+        self.nan_start = False              # an entry with a NaN start was ever added (insert)
+
+    def insert(self, entry: _Entry) -> None:
+        """Add an entry in (start_mono, order) order, as insort does. A new entry has the
+        highest order and, events arriving about in time order, usually the latest start: it
+        then goes last without a search. A NaN start (a hook may send one) compares false
+        with everything and leaves the list in insort's own order, not a sorted one, so once
+        one was added the path always takes insort's way."""
+        entries = self.entries
+        start = entry.start_mono
+        if start != start:
+            self.nan_start = True
+        elif not entries or (entries[-1].start_mono <= start and not self.nan_start):
+            entries.append(entry)
+            return
+        insort(entries, entry, key=_sort_key)
 
 
 class _Proc:
@@ -427,7 +446,7 @@ class Detector:
         entry.reporter = event["pid"]
         entry.finish(event["end_wall"], event["end_mono"], event.get("bytes"),
                      event["outcome"], now)
-        insort(state.entries, entry, key=_sort_key)
+        state.insert(entry)
         self._remote_held += 1
         self._paths.move_to_end(path)
         out: list = []
@@ -507,7 +526,7 @@ class Detector:
         entry = _Entry(self._writer(event), event["path"], event["seq"], event["wall"],
                        event["mono"], event.get("site"), event.get("func"), next(self._order),
                        max(event["mono"], now), event.get("source", SOURCE_HOOK))
-        insort(state.entries, entry, key=_sort_key)
+        state.insert(entry)
         if len(state.entries) > MAX_PATH_WRITES:
             self._update(state, now, out)
         self._open[key] = entry
@@ -546,7 +565,7 @@ class Detector:
                            event["start_wall"], event["start_mono"], event.get("site"),
                            event.get("func"), next(self._order), now,
                            event.get("source", SOURCE_HOOK))
-            insort(state.entries, entry, key=_sort_key)
+            state.insert(entry)
         else:
             self._forget_open(entry)
             state = self._paths[entry.path]
@@ -659,9 +678,10 @@ class Detector:
         settle, window, linger = self._settle, self._window, self._linger
         hold = settle + self._max_hold
         due = _INF
-        groups = group_writes(state.entries)
+        groups = group_writes(state.entries, in_start_order=not state.nan_start)
         barriers = [] if force else state.barriers
-        items = list(heapq.merge(groups, barriers, key=lambda item: item.start))
+        items = list(heapq.merge(groups, barriers, key=lambda item: item.start)) \
+            if barriers else groups
         new_barriers: list[_Barrier] = []
         chains: dict[tuple, _Chain] = {}
         done_chains: list[_Chain] = []

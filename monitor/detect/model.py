@@ -106,6 +106,24 @@ class Write:
     # it. What it says about the remote writer is that process's word, not the kernel's.
     reporter: int | None = None
 
+    @classmethod
+    def of(cls, writer: Writer, path: str, seq: int, start_wall: float, start_mono: float,
+           end_wall: float | None, end_mono: float | None, bytes: int | None,  # noqa: A002
+           outcome: str | None, site: str | None, func: str | None, source: str,
+           reporter: int | None) -> "Write":
+        """Write(...) with every field given, in order: the same value, built ~3x faster.
+        The detector builds one per finished save, and a frozen dataclass's __init__ stores
+        each of its 13 fields through object.__setattr__; this stores the instance's
+        dictionary, as that __init__ leaves it, in one step (tests/test_detector.py holds the
+        two to the same fields and values)."""
+        write = object.__new__(cls)
+        object.__setattr__(write, "__dict__", {
+            "writer": writer, "path": path, "seq": seq, "start_wall": start_wall,
+            "start_mono": start_mono, "end_wall": end_wall, "end_mono": end_mono,
+            "bytes": bytes, "outcome": outcome, "site": site, "func": func, "source": source,
+            "reporter": reporter})
+        return write
+
     @property
     def finished(self) -> bool:
         return self.end_mono is not None
@@ -116,9 +134,13 @@ class Write:
 
     def to_record(self) -> dict:
         """The journal's "write" record and the per-writer entry of a collision record."""
+        return self.add_own_fields(self.writer.to_record())
+
+    def add_own_fields(self, rec: dict) -> dict:
+        """Add the write's own fields (all but its writer's) to rec, in record order; return
+        rec. The journal encodes a writer's fields once and these per write."""
         # Item by item, not update({...}): the journal writes one of these per finished save
         # and the intermediate dict was a measurable share of the agent's cost per event.
-        rec = self.writer.to_record()
         end = self.end_mono
         rec["path"] = self.path
         rec["seq"] = self.seq
