@@ -109,10 +109,11 @@ def write_line(w: Write, ts: float) -> bytes:
     NaN and Infinity as null: a write with such times (a hook may send them) takes json too.
     Types orjson would encode its own way (a dataclass as an object) raise (_ORJSON_OPTIONS).
     """
-    if orjson is not None and finite_times(w):
+    if orjson is not None:
         prefix = _writer_prefix(w.writer)
-        if prefix is not None:
-            record = w.add_own_fields({})
+        record = w.own_record()
+        if prefix is not None and _finite(record["start_wall"], record["end_wall"],
+                                          record["duration"]):
             record["ts"] = ts
             try:
                 return prefix + orjson.dumps(record, option=_ORJSON_OPTIONS)[1:]
@@ -147,14 +148,11 @@ def _writer_prefix(writer) -> bytes | None:
     return prefix
 
 
-def finite_times(w: Write) -> bool:
-    """Are the write record's floats (start_wall, end_wall, duration) finite? A hook may
-    send NaN or Infinity (the contract's JSON allows them); x - x is 0 only for finite x."""
-    start, end = w.start_wall, w.end_wall
-    if start - start != 0 or (end is not None and end - end != 0):
-        return False
-    duration = w.duration
-    return duration is None or duration - duration == 0
+def _finite(start: float, end: float | None, duration: float | None) -> bool:
+    """Are a write record's floats (start_wall, end_wall, duration) finite? A hook may send
+    NaN or Infinity (the contract's JSON allows them); x - x is 0 only for a finite x."""
+    return (start - start == 0 and (end is None or end - end == 0)
+            and (duration is None or duration - duration == 0))
 
 
 def _last_byte(path: str) -> bytes:
@@ -424,7 +422,7 @@ class JournalExporter:
         self.journal.write(item)     # never raises; a lost line is counted by the journal
 
     def publish_write(self, write: Write) -> None:
-        self._write(write)
+        self.journal.write(write)    # one per save: straight to the journal, which never raises
 
     def publish_collision(self, collision: Collision) -> None:
         self._write(collision)

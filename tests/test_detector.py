@@ -812,3 +812,13 @@ def test_grouping_a_list_in_start_order_matches_grouping_after_the_sort():
         fast = group_writes(entries, in_start_order=True)
         plain = group_writes(entries)
         assert [g.entries for g in fast] == [g.entries for g in plain], seed
+
+
+def test_writer_key_is_the_events_writer_fields_in_order():
+    from monitor.detect.model import WRITER_FIELDS, Writer, writer_key
+    event = {name: f"value of {name}" for name in WRITER_FIELDS}
+    event.update(type="start", path="/p", seq=1)
+    assert writer_key(event) == tuple(map(event.get, WRITER_FIELDS))
+    assert Writer(*writer_key(event)) == Writer.from_event(event)
+    del event["rank"], event["restart"]         # optional fields: None when absent
+    assert writer_key(event) == tuple(map(event.get, WRITER_FIELDS))

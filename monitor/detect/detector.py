@@ -55,8 +55,8 @@ from collections import OrderedDict
 from typing import Callable
 
 from monitor.detect.model import (KIND_CONCURRENT, KIND_REDUNDANT, SCOPE_JOB, SCOPE_NODE,
-                                  SOURCE_HOOK, SOURCE_JOB, WRITER_FIELDS, Collision, Write,
-                                  Writer)
+                                  SOURCE_HOOK, SOURCE_JOB, Collision, Write, Writer,
+                                  writer_key)
 
 OUTCOME_LOST = "lost"
 # How often tick() looks at in-flight writes for dead processes and stale starts.
@@ -499,7 +499,7 @@ class Detector:
     def _writer(self, event: dict) -> Writer:
         # One Writer per distinct identity: a process saves many times, and building a frozen
         # dataclass per event is a measurable share of the agent's per-event cost.
-        key = tuple(map(event.get, WRITER_FIELDS))
+        key = writer_key(event)
         writer = self._writers.get(key)
         if writer is None:
             if len(self._writers) >= _MAX_CACHED_WRITERS:
