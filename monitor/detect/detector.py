@@ -49,6 +49,7 @@ from __future__ import annotations
 import hashlib
 import heapq
 import itertools
+import operator
 import time
 from bisect import insort
 from collections import OrderedDict
@@ -97,7 +98,8 @@ class _Entry:
 
     __slots__ = ("writer", "path", "seq", "start_wall", "start_mono", "end_wall", "end_mono",
                  "bytes", "outcome", "site", "func", "order", "seen_at", "done_at",
-                 "write", "dropped", "source", "seen_by", "reported", "reporter", "stop")
+                 "write", "dropped", "source", "seen_by", "reported", "reporter", "stop",
+                 "proc")
 
     def __init__(self, writer: Writer, path: str, seq: int, start_wall: float,
                  start_mono: float, site, func, order: int, seen_at: float,
@@ -106,6 +108,7 @@ class _Entry:
         self.reporter = None            # source "job": the local pid that reported it
         self.seen_by = {source}         # every source that saw it (see Detector.mark_source)
         self.writer = writer
+        self.proc = writer.key          # (node, pid), asked for each time the path is grouped
         self.path = path
         self.seq = seq
         self.start_wall = start_wall
@@ -170,20 +173,25 @@ class _Group:
         self.entries = [entry]
         self.start = entry.start_mono
         self.stop = entry.stop
-        self.writers = {entry.writer.key}
+        self.writers = {entry.proc}
+        done_at = entry.done_at
         self.in_flight = entry.end_mono is None
-        self.done_at = entry.done_at if entry.done_at is not None else -_INF
+        self.done_at = done_at if done_at is not None else -_INF
         # Writes not yet named in a collision: whether there are any, the latest arrival of
         # one still in flight, the earliest end of one finished (see Detector._regroup).
-        self.news = False
-        self.news_open = -_INF
-        self.news_done = _INF
-        self._note_news(entry)
+        # _note_news(entry) on an empty group, spelled out: one group is built per write each
+        # time its path is regrouped. max/min as there, so a NaN time gives the same values.
+        if entry.reported:
+            self.news, self.news_open, self.news_done = False, -_INF, _INF
+        elif done_at is None:
+            self.news, self.news_open, self.news_done = True, max(-_INF, entry.seen_at), _INF
+        else:
+            self.news, self.news_open, self.news_done = True, -_INF, min(_INF, done_at)
 
     def add(self, entry: _Entry) -> None:
         self.entries.append(entry)
         self.stop = max(self.stop, entry.stop)
-        self.writers.add(entry.writer.key)
+        self.writers.add(entry.proc)
         if entry.end_mono is None:
             self.in_flight = True
         else:
@@ -224,9 +232,12 @@ def group_writes(entries: list, in_start_order: bool = False) -> list:
     path's list: _PathState.insert). Without two equal starts that already is the sweep's
     order, and the sort, a Python key call per entry each time a path is regrouped, is
     skipped."""
-    if in_start_order and len({entry.start_mono for entry in entries}) == len(entries):
-        ordered = entries
-    else:
+    ordered = None
+    if in_start_order:
+        starts = [entry.start_mono for entry in entries]
+        if not any(map(operator.eq, starts, starts[1:])):      # no two equal starts
+            ordered = entries
+    if ordered is None:
         ordered = sorted(entries, key=_sweep_key)
     groups: list[_Group] = []
     current = None
