@@ -56,8 +56,8 @@ from collections import OrderedDict
 from typing import Callable
 
 from monitor.detect.model import (KIND_CONCURRENT, KIND_REDUNDANT, SCOPE_JOB, SCOPE_NODE,
-                                  SOURCE_HOOK, SOURCE_JOB, Collision, Write, Writer,
-                                  writer_key)
+                                  SOURCE_FS, SOURCE_HOOK, SOURCE_JOB, Collision, Write,
+                                  Writer, writer_key)
 
 OUTCOME_LOST = "lost"
 # How often tick() looks at in-flight writes for dead processes and stale starts.
@@ -106,7 +106,10 @@ class _Entry:
                  source: str = SOURCE_HOOK):
         self.source = source            # who reported this write: "hook", "fs" or "job"
         self.reporter = None            # source "job": the local pid that reported it
-        self.seen_by = {source}         # every source that saw it (see Detector.mark_source)
+        # Every source that saw it (see Detector.mark_source): a frozenset shared by all the
+        # entries of one source until another source sees one (a set per write cost 216
+        # bytes each, and the collector's time).
+        self.seen_by = _SEEN_BY.get(source) or frozenset((source,))
         self.writer = writer
         self.proc = writer.key          # (node, pid), asked for each time the path is grouped
         self.path = path
@@ -149,6 +152,7 @@ class _Entry:
                         None, None, None, None, self.site, self.func, self.source, None)
 
 
+_SEEN_BY = {source: frozenset((source,)) for source in (SOURCE_HOOK, SOURCE_FS, SOURCE_JOB)}
 _MAX_CACHED_WRITERS = 4096     # a job has a few writers; a flood of distinct identities only
                                # rebuilds Writers (65,536 held ~12 MB: the soak, issue 8)
 
@@ -473,7 +477,7 @@ class Detector:
             return False
         for entry in state.entries:
             if entry.key == key:
-                entry.seen_by.add(source)
+                entry.seen_by = entry.seen_by | {source}
                 return True
         return False
 
