@@ -33,7 +33,10 @@ class SizeHistory:
         if previous is None:
             return None
         end, size, before = previous
-        if before.writer.key == write.writer.key or write.end_mono - end > self.window:
+        # The same Writer object first: the detector hands out one per identity, so the same
+        # process saving again (the usual case) is told without building the two keys.
+        if (before.writer is write.writer or before.writer.key == write.writer.key
+                or write.end_mono - end > self.window):
             return None
         largest = max(size, write.bytes, 1)
         if abs(size - write.bytes) / largest <= self.tolerance:
