@@ -94,12 +94,11 @@ REMOTE_REJECT_REASONS = ("unanchored", "path_full", "held_full")
 
 
 class _Entry:
-    """One write being tracked (mutable until it ends; `write` is its final value)."""
+    """One write being tracked (mutable until it ends; as_write() is its value)."""
 
     __slots__ = ("writer", "path", "seq", "start_wall", "start_mono", "end_wall", "end_mono",
                  "bytes", "outcome", "site", "func", "order", "seen_at", "done_at",
-                 "write", "dropped", "source", "seen_by", "reported", "reporter", "stop",
-                 "proc")
+                 "dropped", "source", "seen_by", "reported", "reporter", "stop", "proc")
 
     def __init__(self, writer: Writer, path: str, seq: int, start_wall: float,
                  start_mono: float, site, func, order: int, seen_at: float,
@@ -128,7 +127,6 @@ class _Entry:
         self.order = order
         self.seen_at = seen_at
         self.done_at = None
-        self.write = None
         self.dropped = False
         self.reported = False           # named in a collision already (while in flight)
 
@@ -141,15 +139,21 @@ class _Entry:
         self.stop = max(end_mono, self.start_mono)
         self.bytes, self.outcome = nbytes, outcome
         self.done_at = max(end_mono, now)
-        self.write = Write.of(self.writer, self.path, self.seq, self.start_wall,
-                              self.start_mono, end_wall, end_mono, nbytes, outcome, self.site,
-                              self.func, self.source, self.reporter)
-        return self.write
+        return self.as_write()
 
-    def in_flight_write(self) -> Write:
-        """The write as known so far (end, bytes and outcome None), for an early report."""
+    def as_write(self) -> Write:
+        """The write as known now: once ended, its final value (nothing it names changes
+        after finish(), so every call gives an equal Write); in flight, with end, bytes and
+        outcome None, for an early report. Built when asked, not kept: the exporters are
+        done with a finished write at once, and one held per tracked write was most of what
+        a write held cost in memory."""
+        if self.end_mono is None:
+            return Write.of(self.writer, self.path, self.seq, self.start_wall,
+                            self.start_mono, None, None, None, None, self.site, self.func,
+                            self.source, None)
         return Write.of(self.writer, self.path, self.seq, self.start_wall, self.start_mono,
-                        None, None, None, None, self.site, self.func, self.source, None)
+                        self.end_wall, self.end_mono, self.bytes, self.outcome, self.site,
+                        self.func, self.source, self.reporter)
 
 
 _SEEN_BY = {source: frozenset((source,)) for source in (SOURCE_HOOK, SOURCE_FS, SOURCE_JOB)}
@@ -833,7 +837,7 @@ class Detector:
 
     def _collision(self, kind: str, path: str, entries: list) -> Collision:
         # Entries come in start order; one still in flight is named as known so far.
-        writes = tuple(e.write or e.in_flight_write() for e in entries)
+        writes = tuple(e.as_write() for e in entries)
         sources = tuple(sorted(set().union(*(e.seen_by for e in entries))))
         if any(e.source == SOURCE_JOB for e in entries):
             runs = {e.writer.run_key for e in entries}

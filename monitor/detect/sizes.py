@@ -18,7 +18,9 @@ class SizeHistory:
         self.window = window
         self.tolerance = tolerance
         self.max_paths = max_paths
-        self._last: OrderedDict = OrderedDict()    # path -> (end_mono, bytes, Write)
+        # path -> (end_mono, bytes, writer, site) of its last finished write: what a finding
+        # names of it, not the Write (one per path, up to max_paths of them).
+        self._last: OrderedDict = OrderedDict()
 
     def finished(self, write: Write) -> Finding | None:
         """Record a finished write; a size_fluctuation Finding if its size departs from the previous
@@ -26,26 +28,27 @@ class SizeHistory:
         if write.outcome != "ok" or write.bytes is None or write.end_mono is None:
             return None
         previous = self._last.get(write.path)
-        self._last[write.path] = (write.end_mono, write.bytes, write)
+        self._last[write.path] = (write.end_mono, write.bytes, write.writer, write.site)
         self._last.move_to_end(write.path)
         if len(self._last) > self.max_paths:
             self._last.popitem(last=False)
         if previous is None:
             return None
-        end, size, before = previous
+        end, size, writer, site = previous
         # The same Writer object first: the detector hands out one per identity, so the same
         # process saving again (the usual case) is told without building the two keys.
-        if (before.writer is write.writer or before.writer.key == write.writer.key
+        if (writer is write.writer or writer.key == write.writer.key
                 or write.end_mono - end > self.window):
             return None
         largest = max(size, write.bytes, 1)
         if abs(size - write.bytes) / largest <= self.tolerance:
             return None
-        jobs = sorted({before.writer.job_label, write.writer.job_label})
+        jobs = sorted({writer.job_label, write.writer.job_label})
         return Finding(FINDING_SIZE_FLUCTUATION, write.path,
                        jobs[0] if len(jobs) == 1 else ",".join(jobs), write.end_wall,
                        write.writer.node, write.source,
-                       tuple({"pid": w.writer.pid, "rank": w.writer.rank, "node": w.writer.node,
-                              "bytes": w.bytes, "site": w.site} for w in (before, write)),
+                       tuple({"pid": w.pid, "rank": w.rank, "node": w.node, "bytes": nbytes,
+                              "site": where} for w, nbytes, where in
+                             ((writer, size, site), (write.writer, write.bytes, write.site))),
                        {"v": 1, "rule": "finished sizes differ", "size_before": size,
                         "size_after": write.bytes})
