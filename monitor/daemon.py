@@ -427,7 +427,8 @@ class Agent:
             log.exception("detector failed on a %s event for %r", event["type"],
                           event.get("path"))
             return
-        self.publish(items)
+        if items:               # a start makes nothing final: most events have none
+            self.publish(items)
 
     def fs_turn(self) -> None:
         """Take what the filesystem source delivered; pass on what the merger let through."""
