@@ -98,8 +98,10 @@ _WRITE_PREFIX = b'{"type":"write",'
 
 def write_line(w: Write, ts: float) -> bytes:
     """The line of a finished write: write_record(w) plus "ts". One per save, so with orjson
-    installed it is encoded by orjson (~2x faster) and "type" is spelled in front of the
-    encoded Write.to_record() rather than copied into a new dict: the same keys, same order.
+    installed it is encoded by orjson (~2x faster): the "type" and the writer's fields are a
+    prefix encoded once per writer (_writer_prefix), followed by the write's own fields and
+    "ts" encoded per write -- the same keys in the same order as write_record(w), since orjson
+    writes no whitespace.
 
     orjson writes the same JSON values as json, spelled differently in places (5e-7 for
     5e-07, raw UTF-8 for \\u escapes). It refuses integers beyond 64 bits and lone
@@ -107,26 +109,50 @@ def write_line(w: Write, ts: float) -> bytes:
     NaN and Infinity as null: a write with such times (a hook may send them) takes json too.
     Types orjson would encode its own way (a dataclass as an object) raise (_ORJSON_OPTIONS).
     """
-    if orjson is not None and finite_times(w):
-        record = w.to_record()
-        record["ts"] = ts
-        try:
-            return _WRITE_PREFIX + orjson.dumps(record, option=_ORJSON_OPTIONS)[1:]
-        except TypeError:       # orjson.JSONEncodeError
-            pass
+    if orjson is not None:
+        prefix = _writer_prefix(w.writer)
+        record = w.own_record()
+        if prefix is not None and _finite(record["start_wall"], record["end_wall"],
+                                          record["duration"]):
+            record["ts"] = ts
+            try:
+                return prefix + orjson.dumps(record, option=_ORJSON_OPTIONS)[1:]
+            except TypeError:       # orjson.JSONEncodeError
+                pass
     record = write_record(w)
     record["ts"] = ts
     return encode_line(record)
 
 
-def finite_times(w: Write) -> bool:
-    """Are the write record's floats (start_wall, end_wall, duration) finite? A hook may
-    send NaN or Infinity (the contract's JSON allows them); x - x is 0 only for finite x."""
-    start, end = w.start_wall, w.end_wall
-    if start - start != 0 or (end is not None and end - end != 0):
-        return False
-    duration = w.duration
-    return duration is None or duration - duration == 0
+# Writer -> the start of its write lines, up to the write's own fields: '{"type":"write",' and
+# the writer's fields, encoded by orjson, and a comma; None when orjson cannot encode them.
+# Keyed by id() with the Writer kept alongside (so the id is not reused while cached): hashing
+# a Writer hashes its ten fields. The detector hands out one Writer per identity, and a node
+# has a few dozen; a flood of identities only re-encodes prefixes (the cache is then emptied).
+_PREFIXES: dict[int, tuple] = {}
+_MAX_PREFIXES = 1024
+
+
+def _writer_prefix(writer) -> bytes | None:
+    cached = _PREFIXES.get(id(writer))
+    if cached is not None and cached[0] is writer:
+        return cached[1]
+    try:
+        fields = orjson.dumps(writer.to_record(), option=_ORJSON_OPTIONS)   # {...}\n
+        prefix = _WRITE_PREFIX + fields[1:-2] + b","
+    except TypeError:       # orjson.JSONEncodeError: a pid or rank beyond 64 bits, ...
+        prefix = None
+    if len(_PREFIXES) >= _MAX_PREFIXES:
+        _PREFIXES.clear()
+    _PREFIXES[id(writer)] = (writer, prefix)
+    return prefix
+
+
+def _finite(start: float, end: float | None, duration: float | None) -> bool:
+    """Are a write record's floats (start_wall, end_wall, duration) finite? A hook may send
+    NaN or Infinity (the contract's JSON allows them); x - x is 0 only for a finite x."""
+    return (start - start == 0 and (end is None or end - end == 0)
+            and (duration is None or duration - duration == 0))
 
 
 def _last_byte(path: str) -> bytes:
@@ -396,7 +422,7 @@ class JournalExporter:
         self.journal.write(item)     # never raises; a lost line is counted by the journal
 
     def publish_write(self, write: Write) -> None:
-        self._write(write)
+        self.journal.write(write)    # one per save: straight to the journal, which never raises
 
     def publish_collision(self, collision: Collision) -> None:
         self._write(collision)

@@ -114,6 +114,7 @@ def _decode_many_json(payloads: list) -> list:
                 try:
                     append(validate(value))
                 except events.EventError as exc:
+                    _drop_tracebacks(exc)
                     append(exc)
                 continue
         append(_reference(payload))
@@ -124,4 +125,19 @@ def _reference(payload: bytes):
     try:
         return events.decode(payload)
     except events.EventError as exc:
+        _drop_tracebacks(exc)
         return exc
+
+
+def _drop_tracebacks(exc: BaseException) -> None:
+    """Clear the tracebacks of exc and of the exceptions it was raised while handling. Each
+    holds the frames it passed, and a frame holds the exception bound in its `except ... as`
+    (this one's exc, the reference decoder's JSON or UTF-8 error): cycles that only the
+    cyclic collector frees, 10-17 objects per reject, and a flood of garbage is all rejects
+    (monitor/gcpolicy.py lets them wait longer). Rejects are counted by reason; nothing reads
+    their tracebacks."""
+    for _ in range(8):      # a chain is 1-3 long; Python never lets one loop, bounded anyway
+        if exc is None:
+            return
+        exc.__traceback__ = None
+        exc = exc.__context__

@@ -25,7 +25,7 @@ from exporters.journal import Journal, JournalError, JournalExporter
 from exporters.logline import LogExporter
 from exporters.prometheus import MetricsExporter, MetricsServer, MetricsState, build_registry
 from monitor.verify import crc
-from monitor import logformat
+from monitor import gcpolicy, logformat
 from monitor.config import Config
 from monitor.detect.detector import Detector
 from monitor.detect.merge import SourceMerger
@@ -451,7 +451,8 @@ class Agent:
             log.exception("detector failed on a %s event for %r", event["type"],
                           event.get("path"))
             return
-        self.publish(items)
+        if items:               # a start makes nothing final: most events have none
+            self.publish(items)
 
     def fs_turn(self) -> None:
         """Take what the filesystem source delivered; pass on what the merger let through."""
@@ -568,4 +569,5 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except SystemExit as exc:   # --help
         return exc.code if isinstance(exc.code, int) else 0
+    gcpolicy.configure()        # this process is the agent: its collector settings
     return run(cfg)

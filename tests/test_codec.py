@@ -235,3 +235,29 @@ def test_without_orjson_the_agent_decodes_with_the_reference(monkeypatch):
     for batch in (payloads, [b"\xff"] + payloads, payloads[::-1]):
         assert [verdict(r) for r in codec.decode_many(batch)] == \
             [verdict(reference(p)) for p in batch]
+
+
+@pytest.mark.parametrize("with_orjson", [True, False])
+def test_rejects_leave_no_garbage_for_the_cyclic_collector(monkeypatch, with_orjson):
+    """A reject is counted by its reason and dropped: nothing may keep it (and the frames its
+    traceback holds) in a reference cycle, which only the cyclic collector frees. A flood of
+    garbage frames is all rejects, and the agent lets that collector wait (monitor/gcpolicy)."""
+    import gc
+
+    if not with_orjson:
+        monkeypatch.setattr(codec, "orjson", None)
+    bad = [b'{"v":1,"type":"start"', b"[1,2,3]", b"\xff\xfe not utf-8", b"{}", b"NaN",
+           b'{"v":1,"type":"start","node":"n","pid":5,"seq":1}',
+           b'{"v":99,"type":"start","node":"n","pid":5}', b'{"v":1,"type":"nope"}',
+           b'{"v":1,"type":"start","pid":-1}', b"x" * (events.MAX_FRAME_BYTES + 1)]
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        gc.collect()
+        results = codec.decode_many(bad * 10)
+        assert all(isinstance(r, events.EventError) for r in results)
+        del results
+        assert gc.collect() == 0
+    finally:
+        if enabled:
+            gc.enable()

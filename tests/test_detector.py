@@ -780,3 +780,72 @@ def test_a_recycled_pid_starting_its_own_seq_1_is_a_new_write():
     out = feed(det, clock, [(1000.0, end(10, 1, 1000.1, 1000.0)),
                             (1005.0, end(10, 1, 1005.1, 1005.0))])
     assert len(writes(out)) == 2 and det.repeated == 0
+
+
+# --- the fast paths hold to the plain ones they stand for ----------------------------------
+
+def test_write_of_builds_the_same_write_as_its_constructor():
+    import inspect
+
+    from monitor.detect.model import Writer
+    assert list(inspect.signature(Write.of).parameters) == list(Write.__dataclass_fields__)
+    writer = Writer("n1", 7, 3, 3, 8, 8, 0, "j1", None, 2)
+    for values in [(writer, "/c/x.pt", 4, 1.5, 2.5, 3.5, 4.5, 100, "ok", "t.py:1", "f", "hook",
+                    None),
+                   (writer, "/c/y.pt", 5, 1.0, 1.0, None, None, None, None, None, None, "job",
+                    11)]:
+        fast, plain = Write.of(*values), Write(*values)
+        assert fast == plain and hash(fast) == hash(plain) and repr(fast) == repr(plain)
+        assert vars(fast) == vars(plain) and list(vars(fast)) == list(vars(plain))
+        assert fast.to_record() == plain.to_record()
+
+
+def test_a_paths_entries_keep_insorts_order_with_ties_late_starts_and_nan():
+    """_PathState.insert appends when it can; the list must be exactly what insort makes,
+    also once a NaN start (which compares false with everything) is in it."""
+    from bisect import insort
+
+    from monitor.detect.detector import _Entry, _PathState, _sort_key
+    from monitor.detect.model import Writer
+    writer = Writer("n1", 1)
+    for seed in range(200):
+        rng = random.Random(seed)
+        state, reference = _PathState("/p"), []
+        for order in range(rng.randint(1, 40)):
+            start_mono = rng.choice([float(order), float(order), rng.randint(0, 40) / 4,
+                                     float("nan") if rng.random() < 0.2 else 1.0])
+            entry = _Entry(writer, "/p", order, start_mono, start_mono, None, None, order, 0.0)
+            state.insert(entry)
+            insort(reference, entry, key=_sort_key)
+            assert state.entries == reference, seed
+
+
+def test_grouping_a_list_in_start_order_matches_grouping_after_the_sort():
+    from bisect import insort
+
+    from monitor.detect.detector import _Entry, _sort_key, group_writes
+    from monitor.detect.model import Writer
+    for seed in range(200):
+        rng = random.Random(seed)
+        entries = []
+        for order in range(rng.randint(1, 30)):
+            start_mono = rng.randint(0, 60) / 4      # a coarse grid: equal starts are common
+            entry = _Entry(Writer("n1", rng.randint(1, 3)), "/p", order, start_mono,
+                           start_mono, None, None, order, 0.0)
+            if rng.random() < 0.8:
+                end_mono = start_mono + rng.choice([0.0, rng.randint(1, 12) / 4])
+                entry.finish(end_mono, end_mono, 1, "ok", 0.0)
+            insort(entries, entry, key=_sort_key)
+        fast = group_writes(entries, in_start_order=True)
+        plain = group_writes(entries)
+        assert [g.entries for g in fast] == [g.entries for g in plain], seed
+
+
+def test_writer_key_is_the_events_writer_fields_in_order():
+    from monitor.detect.model import WRITER_FIELDS, Writer, writer_key
+    event = {name: f"value of {name}" for name in WRITER_FIELDS}
+    event.update(type="start", path="/p", seq=1)
+    assert writer_key(event) == tuple(map(event.get, WRITER_FIELDS))
+    assert Writer(*writer_key(event)) == Writer.from_event(event)
+    del event["rank"], event["restart"]         # optional fields: None when absent
+    assert writer_key(event) == tuple(map(event.get, WRITER_FIELDS))

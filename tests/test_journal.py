@@ -189,3 +189,34 @@ def test_write_line_reads_back_as_the_json_encoder_wrote_it(tmp_path, over):
             a, b = got[key], expected[key]
             assert type(a) is type(b) and (a == b or (isinstance(a, float) and math.isnan(a)
                                                       and math.isnan(b))), key
+
+
+def test_write_lines_are_the_records_encoding_for_every_writer():
+    """write_line encodes a writer's fields once and keeps them (exporters.journal
+    _writer_prefix): with writers alternating, each line must still be its own record,
+    byte for byte as orjson encodes the whole record, and read back as json writes it."""
+    pytest.importorskip("orjson")
+    import orjson
+
+    from exporters.journal import _ORJSON_OPTIONS, _WRITE_PREFIX, write_line, write_record
+    writers = [Writer(node="n1", pid=11, rank=0, job="j1", restart=0),
+               Writer(node="n2", pid=12, rank=1, job="j2", master="h:1", restart=3),
+               Writer(node="n1", pid=11, rank=0, job="j1", restart=1),
+               Writer(node="ünï", pid=13), Writer(node="n1", pid=14, rank=2 ** 70),
+               Writer(node="n1\udcff", pid=15)]
+    for round_ in range(3):
+        for i, writer in enumerate(writers):
+            w = Write(writer=writer, path=f"/c/{i}.pt", seq=round_, start_wall=10.0 + i,
+                      start_mono=5.0 + i, end_wall=11.0 + i, end_mono=5.5 + i, bytes=i,
+                      outcome="ok", site="t.py:1", func="f")
+            record = write_record(w)
+            record["ts"] = 7.0
+            line = write_line(w, 7.0)
+            try:
+                whole = _WRITE_PREFIX + orjson.dumps(
+                    {k: v for k, v in record.items() if k != "type"}, option=_ORJSON_OPTIONS)[1:]
+            except TypeError:       # beyond orjson: the json encoder's line
+                whole = None
+            if whole is not None:
+                assert line == whole
+            assert json.loads(line) == json.loads(json.dumps(record)), writer

@@ -49,14 +49,15 @@ from __future__ import annotations
 import hashlib
 import heapq
 import itertools
+import operator
 import time
 from bisect import insort
 from collections import OrderedDict
 from typing import Callable
 
 from monitor.detect.model import (KIND_CONCURRENT, KIND_REDUNDANT, SCOPE_JOB, SCOPE_NODE,
-                                  SOURCE_HOOK, SOURCE_JOB, WRITER_FIELDS, Collision, Write,
-                                  Writer)
+                                  SOURCE_FS, SOURCE_HOOK, SOURCE_JOB, Collision, Write,
+                                  Writer, writer_key)
 
 OUTCOME_LOST = "lost"
 # How often tick() looks at in-flight writes for dead processes and stale starts.
@@ -98,25 +99,32 @@ REMOTE_REJECT_REASONS = ("unanchored", "path_full", "held_full")
 
 
 class _Entry:
-    """One write being tracked (mutable until it ends; `write` is its final value)."""
+    """One write being tracked (mutable until it ends; as_write() is its value)."""
 
     __slots__ = ("writer", "path", "seq", "start_wall", "start_mono", "end_wall", "end_mono",
                  "bytes", "outcome", "site", "func", "order", "seen_at", "done_at",
-                 "write", "dropped", "source", "seen_by", "reported", "reporter")
+                 "dropped", "source", "seen_by", "reported", "reporter", "stop", "proc")
 
     def __init__(self, writer: Writer, path: str, seq: int, start_wall: float,
                  start_mono: float, site, func, order: int, seen_at: float,
                  source: str = SOURCE_HOOK):
         self.source = source            # who reported this write: "hook", "fs" or "job"
         self.reporter = None            # source "job": the local pid that reported it
-        self.seen_by = {source}         # every source that saw it (see Detector.mark_source)
+        # Every source that saw it (see Detector.mark_source): a frozenset shared by all the
+        # entries of one source until another source sees one (a set per write cost 216
+        # bytes each, and the collector's time).
+        self.seen_by = _SEEN_BY.get(source) or frozenset((source,))
         self.writer = writer
+        self.proc = writer.key          # (node, pid), asked for each time the path is grouped
         self.path = path
         self.seq = seq
         self.start_wall = start_wall
         self.start_mono = start_mono
         self.end_wall = None
         self.end_mono = None
+        # End of the interval for overlap purposes (+inf while in flight): an attribute, not
+        # a property, because grouping reads it several times per write.
+        self.stop = _INF
         self.bytes = None
         self.outcome = None
         self.site = site
@@ -124,7 +132,6 @@ class _Entry:
         self.order = order
         self.seen_at = seen_at
         self.done_at = None
-        self.write = None
         self.dropped = False
         self.reported = False           # named in a collision already (while in flight)
 
@@ -132,31 +139,29 @@ class _Entry:
     def key(self) -> tuple:
         return (self.writer.node, self.writer.pid, self.seq)
 
-    @property
-    def stop(self) -> float:
-        """End of the interval for overlap purposes (+inf while in flight)."""
-        if self.end_mono is None:
-            return _INF
-        return max(self.end_mono, self.start_mono)
-
     def finish(self, end_wall: float, end_mono: float, nbytes, outcome: str, now: float) -> Write:
         self.end_wall, self.end_mono = end_wall, end_mono
+        self.stop = max(end_mono, self.start_mono)
         self.bytes, self.outcome = nbytes, outcome
         self.done_at = max(end_mono, now)
-        self.write = Write(writer=self.writer, path=self.path, seq=self.seq,
-                           start_wall=self.start_wall, start_mono=self.start_mono,
-                           end_wall=end_wall, end_mono=end_mono, bytes=nbytes, outcome=outcome,
-                           site=self.site, func=self.func, source=self.source,
-                           reporter=self.reporter)
-        return self.write
+        return self.as_write()
 
-    def in_flight_write(self) -> Write:
-        """The write as known so far (end, bytes and outcome None), for an early report."""
-        return Write(writer=self.writer, path=self.path, seq=self.seq,
-                     start_wall=self.start_wall, start_mono=self.start_mono, site=self.site,
-                     func=self.func, source=self.source)
+    def as_write(self) -> Write:
+        """The write as known now: once ended, its final value (nothing it names changes
+        after finish(), so every call gives an equal Write); in flight, with end, bytes and
+        outcome None, for an early report. Built when asked, not kept: the exporters are
+        done with a finished write at once, and one held per tracked write was most of what
+        a write held cost in memory."""
+        if self.end_mono is None:
+            return Write.of(self.writer, self.path, self.seq, self.start_wall,
+                            self.start_mono, None, None, None, None, self.site, self.func,
+                            self.source, None)
+        return Write.of(self.writer, self.path, self.seq, self.start_wall, self.start_mono,
+                        self.end_wall, self.end_mono, self.bytes, self.outcome, self.site,
+                        self.func, self.source, self.reporter)
 
 
+_SEEN_BY = {source: frozenset((source,)) for source in (SOURCE_HOOK, SOURCE_FS, SOURCE_JOB)}
 _MAX_CACHED_WRITERS = 4096     # a job has a few writers; a flood of distinct identities only
                                # rebuilds Writers (65,536 held ~12 MB: the soak, issue 8)
 
@@ -181,20 +186,25 @@ class _Group:
         self.entries = [entry]
         self.start = entry.start_mono
         self.stop = entry.stop
-        self.writers = {entry.writer.key}
+        self.writers = {entry.proc}
+        done_at = entry.done_at
         self.in_flight = entry.end_mono is None
-        self.done_at = entry.done_at if entry.done_at is not None else -_INF
+        self.done_at = done_at if done_at is not None else -_INF
         # Writes not yet named in a collision: whether there are any, the latest arrival of
         # one still in flight, the earliest end of one finished (see Detector._regroup).
-        self.news = False
-        self.news_open = -_INF
-        self.news_done = _INF
-        self._note_news(entry)
+        # _note_news(entry) on an empty group, spelled out: one group is built per write each
+        # time its path is regrouped. max/min as there, so a NaN time gives the same values.
+        if entry.reported:
+            self.news, self.news_open, self.news_done = False, -_INF, _INF
+        elif done_at is None:
+            self.news, self.news_open, self.news_done = True, max(-_INF, entry.seen_at), _INF
+        else:
+            self.news, self.news_open, self.news_done = True, -_INF, min(_INF, done_at)
 
     def add(self, entry: _Entry) -> None:
         self.entries.append(entry)
         self.stop = max(self.stop, entry.stop)
-        self.writers.add(entry.writer.key)
+        self.writers.add(entry.proc)
         if entry.end_mono is None:
             self.in_flight = True
         else:
@@ -228,11 +238,23 @@ class _Group:
         return {e.writer.run_key for e in self.entries} - {None}
 
 
-def group_writes(entries: list) -> list:
-    """Split writes into maximal overlap groups (a sort, nearly free here, and one sweep)."""
+def group_writes(entries: list, in_start_order: bool = False) -> list:
+    """Split writes into maximal overlap groups (a sort, nearly free here, and one sweep).
+
+    in_start_order: the entries are sorted by (start_mono, order) and no start is NaN (a
+    path's list: _PathState.insert). Without two equal starts that already is the sweep's
+    order, and the sort, a Python key call per entry each time a path is regrouped, is
+    skipped."""
+    ordered = None
+    if in_start_order:
+        starts = [entry.start_mono for entry in entries]
+        if not any(map(operator.eq, starts, starts[1:])):      # no two equal starts
+            ordered = entries
+    if ordered is None:
+        ordered = sorted(entries, key=_sweep_key)
     groups: list[_Group] = []
     current = None
-    for entry in sorted(entries, key=_sweep_key):
+    for entry in ordered:
         if current is not None and entry.start_mono < current.stop:
             current.add(entry)
         else:
@@ -275,7 +297,7 @@ class _Chain:
 
 
 class _PathState:
-    __slots__ = ("path", "entries", "barriers", "due", "open")
+    __slots__ = ("path", "entries", "barriers", "due", "open", "nan_start")
 
     def __init__(self, path: str):
         self.path = path
@@ -283,6 +305,22 @@ class _PathState:
         self.barriers: list[_Barrier] = []
         self.due = None                     # the earliest due time pushed on the heap
         self.open = 0                       # entries still in flight
+        self.nan_start = False              # an entry with a NaN start was ever added (insert)
+
+    def insert(self, entry: _Entry) -> None:
+        """Add an entry in (start_mono, order) order, as insort does. A new entry has the
+        highest order and, events arriving about in time order, usually the latest start: it
+        then goes last without a search. A NaN start (a hook may send one) compares false
+        with everything and leaves the list in insort's own order, not a sorted one, so once
+        one was added the path always takes insort's way."""
+        entries = self.entries
+        start = entry.start_mono
+        if start != start:
+            self.nan_start = True
+        elif not entries or (entries[-1].start_mono <= start and not self.nan_start):
+            entries.append(entry)
+            return
+        insort(entries, entry, key=_sort_key)
 
 
 class _Proc:
@@ -434,7 +472,7 @@ class Detector:
         entry.reporter = event["pid"]
         entry.finish(event["end_wall"], event["end_mono"], event.get("bytes"),
                      event["outcome"], now)
-        insort(state.entries, entry, key=_sort_key)
+        state.insert(entry)
         self._remote_held += 1
         self._paths.move_to_end(path)
         out: list = []
@@ -450,7 +488,7 @@ class Detector:
             return False
         for entry in state.entries:
             if entry.key == key:
-                entry.seen_by.add(source)
+                entry.seen_by = entry.seen_by | {source}
                 return True
         return False
 
@@ -487,7 +525,7 @@ class Detector:
     def _writer(self, event: dict) -> Writer:
         # One Writer per distinct identity: a process saves many times, and building a frozen
         # dataclass per event is a measurable share of the agent's per-event cost.
-        key = tuple(map(event.get, WRITER_FIELDS))
+        key = writer_key(event)
         writer = self._writers.get(key)
         if writer is None:
             if len(self._writers) >= _MAX_CACHED_WRITERS:
@@ -517,7 +555,7 @@ class Detector:
         entry = _Entry(self._writer(event), event["path"], event["seq"], event["wall"],
                        event["mono"], event.get("site"), event.get("func"), next(self._order),
                        max(event["mono"], now), event.get("source", SOURCE_HOOK))
-        insort(state.entries, entry, key=_sort_key)
+        state.insert(entry)
         if len(state.entries) > MAX_PATH_WRITES:
             self._update(state, now, out)
         self._open[key] = entry
@@ -564,7 +602,7 @@ class Detector:
                            event["start_wall"], event["start_mono"], event.get("site"),
                            event.get("func"), next(self._order), now,
                            event.get("source", SOURCE_HOOK))
-            insort(state.entries, entry, key=_sort_key)
+            state.insert(entry)
         else:
             self._forget_open(entry)
             state = self._paths[entry.path]
@@ -677,9 +715,10 @@ class Detector:
         settle, window, linger = self._settle, self._window, self._linger
         hold = settle + self._max_hold
         due = _INF
-        groups = group_writes(state.entries)
+        groups = group_writes(state.entries, in_start_order=not state.nan_start)
         barriers = [] if force else state.barriers
-        items = list(heapq.merge(groups, barriers, key=lambda item: item.start))
+        items = list(heapq.merge(groups, barriers, key=lambda item: item.start)) \
+            if barriers else groups
         new_barriers: list[_Barrier] = []
         chains: dict[tuple, _Chain] = {}
         done_chains: list[_Chain] = []
@@ -816,7 +855,7 @@ class Detector:
 
     def _collision(self, kind: str, path: str, entries: list) -> Collision:
         # Entries come in start order; one still in flight is named as known so far.
-        writes = tuple(e.write or e.in_flight_write() for e in entries)
+        writes = tuple(e.as_write() for e in entries)
         sources = tuple(sorted(set().union(*(e.seen_by for e in entries))))
         if any(e.source == SOURCE_JOB for e in entries):
             runs = {e.writer.run_key for e in entries}

@@ -86,6 +86,16 @@ class Writer:
 WRITER_FIELDS = tuple(Writer.__dataclass_fields__)
 
 
+def writer_key(event: Mapping) -> tuple:
+    """tuple(map(event.get, WRITER_FIELDS)): the values naming the event's writer, in
+    WRITER_FIELDS order. Spelled out because the detector builds one per start event and the
+    map over a bound method took twice as long (tests/test_detector.py holds the two equal)."""
+    get = event.get
+    return (get("node"), get("pid"), get("rank"), get("local_rank"), get("world_size"),
+            get("local_world_size"), get("node_rank"), get("job"), get("master"),
+            get("restart"))
+
+
 @dataclass(frozen=True)
 class Write:
     """One writer's interval on one path. end_* are None while the write is in flight."""
@@ -106,6 +116,24 @@ class Write:
     # it. What it says about the remote writer is that process's word, not the kernel's.
     reporter: int | None = None
 
+    @classmethod
+    def of(cls, writer: Writer, path: str, seq: int, start_wall: float, start_mono: float,
+           end_wall: float | None, end_mono: float | None, bytes: int | None,  # noqa: A002
+           outcome: str | None, site: str | None, func: str | None, source: str,
+           reporter: int | None) -> "Write":
+        """Write(...) with every field given, in order: the same value, built ~3x faster.
+        The detector builds one per finished save, and a frozen dataclass's __init__ stores
+        each of its 13 fields through object.__setattr__; this stores the instance's
+        dictionary, as that __init__ leaves it, in one step (tests/test_detector.py holds the
+        two to the same fields and values)."""
+        write = object.__new__(cls)
+        object.__setattr__(write, "__dict__", {
+            "writer": writer, "path": path, "seq": seq, "start_wall": start_wall,
+            "start_mono": start_mono, "end_wall": end_wall, "end_mono": end_mono,
+            "bytes": bytes, "outcome": outcome, "site": site, "func": func, "source": source,
+            "reporter": reporter})
+        return write
+
     @property
     def finished(self) -> bool:
         return self.end_mono is not None
@@ -116,20 +144,19 @@ class Write:
 
     def to_record(self) -> dict:
         """The journal's "write" record and the per-writer entry of a collision record."""
-        # Item by item, not update({...}): the journal writes one of these per finished save
-        # and the intermediate dict was a measurable share of the agent's cost per event.
         rec = self.writer.to_record()
+        rec.update(self.own_record())
+        return rec
+
+    def own_record(self) -> dict:
+        """The write's own fields of its record (all but its writer's), in record order. The
+        journal encodes a writer's fields once and these once per finished save."""
         end = self.end_mono
-        rec["path"] = self.path
-        rec["seq"] = self.seq
-        rec["start_wall"] = self.start_wall
-        rec["end_wall"] = self.end_wall
-        rec["duration"] = None if end is None else max(0.0, end - self.start_mono)
-        rec["bytes"] = self.bytes
-        rec["outcome"] = self.outcome
-        rec["site"] = self.site
-        rec["func"] = self.func
-        rec["source"] = self.source
+        rec = {"path": self.path, "seq": self.seq, "start_wall": self.start_wall,
+               "end_wall": self.end_wall,
+               "duration": None if end is None else max(0.0, end - self.start_mono),
+               "bytes": self.bytes, "outcome": self.outcome, "site": self.site,
+               "func": self.func, "source": self.source}
         if self.reporter is not None:
             rec["reported_by"] = self.reporter
         return rec

@@ -18,7 +18,9 @@ class SizeHistory:
         self.window = window
         self.tolerance = tolerance
         self.max_paths = max_paths
-        self._last: OrderedDict = OrderedDict()    # path -> (end_mono, bytes, Write)
+        # path -> (end_mono, bytes, writer, site, end_wall) of its last finished write: what a finding
+        # names of it, not the Write (one per path, up to max_paths of them).
+        self._last: OrderedDict = OrderedDict()
 
     def finished(self, write: Write) -> Finding | None:
         """Record a finished write; a size_fluctuation Finding if its size departs from the previous
@@ -26,8 +28,9 @@ class SizeHistory:
         if write.outcome != "ok" or write.bytes is None or write.end_mono is None:
             return None
         previous = self._last.get(write.path)
+        current = (write.end_mono, write.bytes, write.writer, write.site, write.end_wall)
         if previous is None or write.end_mono >= previous[0]:
-            self._last[write.path] = (write.end_mono, write.bytes, write)
+            self._last[write.path] = current
         self._last.move_to_end(write.path)
         if len(self._last) > self.max_paths:
             self._last.popitem(last=False)
@@ -35,18 +38,22 @@ class SizeHistory:
             return None
         # Ends of different processes arrive on different connections, read in no fixed
         # order: compare in the order the writes ended, not the order they came in.
-        other = previous[2]
-        before, after = (other, write) if write.end_mono >= other.end_mono else (write, other)
-        if before.writer.key == after.writer.key or after.end_mono - before.end_mono > self.window:
+        before, after = (previous, current) if write.end_mono >= previous[0] else \
+            (current, previous)
+        first, second = before[2], after[2]
+        # The same Writer object first: the detector hands out one per identity, so the same
+        # process saving again (the usual case) is told without building the two keys.
+        if (first is second or first.key == second.key
+                or after[0] - before[0] > self.window):
             return None
-        largest = max(before.bytes, after.bytes, 1)
-        if abs(before.bytes - after.bytes) / largest <= self.tolerance:
+        largest = max(before[1], after[1], 1)
+        if abs(before[1] - after[1]) / largest <= self.tolerance:
             return None
-        jobs = sorted({before.writer.job_label, after.writer.job_label})
+        jobs = sorted({first.job_label, second.job_label})
         return Finding(FINDING_SIZE_FLUCTUATION, write.path,
-                       jobs[0] if len(jobs) == 1 else ",".join(jobs), after.end_wall,
-                       after.writer.node, write.source,
-                       tuple({"pid": w.writer.pid, "rank": w.writer.rank, "node": w.writer.node,
-                              "bytes": w.bytes, "site": w.site} for w in (before, after)),
-                       {"v": 1, "rule": "finished sizes differ", "size_before": before.bytes,
-                        "size_after": after.bytes})
+                       jobs[0] if len(jobs) == 1 else ",".join(jobs), after[4],
+                       second.node, write.source,
+                       tuple({"pid": w.pid, "rank": w.rank, "node": w.node, "bytes": nbytes,
+                              "site": where} for _, nbytes, w, where, _ in (before, after)),
+                       {"v": 1, "rule": "finished sizes differ", "size_before": before[1],
+                        "size_after": after[1]})

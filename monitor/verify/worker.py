@@ -218,6 +218,8 @@ class VerifySchedule:
         return out
 
     def _set_busy(self, path: str, at: float) -> None:
+        if not self._sets:      # no set is waiting (the usual case): no directory to look up
+            return
         directory = os.path.dirname(path)
         if directory in self._sets:
             self._sets[directory] = at
