@@ -263,6 +263,7 @@ def _is_valid_write(e: dict) -> bool:
     if not (type(get("node")) is str and type(pid) is int and pid > 0
             and type(get("seq")) is int and type(path) is str and path[:1] == "/"
             and set(map(type, map(get, _FAST_NUM))) <= _NUM
+            and all(map(math.isfinite, map(get, _FAST_NUM)))
             and set(map(type, map(get, _FAST_OPT_INT))) <= _OPT_INT
             and set(map(type, map(get, _FAST_OPT_STR))) <= _OPT_STR):
         return False
@@ -270,6 +271,7 @@ def _is_valid_write(e: dict) -> bool:
     if kind == "start":
         return True
     return (kind == "end" and set(map(type, map(get, _FAST_END_NUM))) <= _NUM
+            and all(map(math.isfinite, map(get, _FAST_END_NUM)))
             and type(get("outcome")) is str and type(get("bytes")) in _OPT_INT)
 
 
@@ -310,6 +312,11 @@ def validate(event: object) -> dict:
     if kind == "end":
         _check(event, _END, required=True)
         _check(event, _END_OPTIONAL, required=False)
+    # NaN or infinite times (json reads NaN and Infinity) would break every comparison the
+    # detector orders writes by.
+    for name in (_FAST_NUM + _FAST_END_NUM) if kind == "end" else _FAST_NUM:
+        if not math.isfinite(event[name]):
+            raise EventError(REJECT_INCOMPLETE, f"field {name!r} is not a finite number")
     return event
 
 

@@ -33,6 +33,8 @@ from __future__ import annotations
 
 import json
 
+from math import isfinite
+
 from ckptwatch import events
 
 try:
@@ -61,8 +63,12 @@ def validate(event: object) -> dict:
         if accepted is not None:
             shape = (tuple(event), tuple(map(type, event.values())))
             if shape in accepted:
-                # The shape has v, pid and path, as int, int and str: the reference accepted it.
-                if event["v"] == 1 and event["pid"] > 0 and event["path"][:1] == "/":
+                # The shape has v, pid and path, as int, int and str, and its times as numbers:
+                # the reference accepted it. Values it checks beyond types are checked here.
+                if (event["v"] == 1 and event["pid"] > 0 and event["path"][:1] == "/"
+                        and isfinite(event["wall"]) and isfinite(event["mono"])
+                        and (kind == "start" or (isfinite(event["start_wall"])
+                                                 and isfinite(event["start_mono"])))):
                     return event
             else:
                 events.validate(event)      # raises the reference's reason

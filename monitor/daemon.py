@@ -492,7 +492,13 @@ class Agent:
             self.detector.mark_source(path, key, "fs")
 
     def tick(self) -> None:
-        self.publish(self.detector.tick())
+        try:
+            items = self.detector.tick()
+        except Exception:
+            # A detector bug must not end the loop for every other event (as observe()).
+            log.exception("detector tick failed")
+            items = []
+        self.publish(items)
         for v in self.checks.tick():
             self.exporters.publish_finding(verification_finding(v))
         self.state.set_verifications_pending(self.checks.pending())

@@ -112,6 +112,10 @@ EDGES = [
     raw(start(path="rel.pt")), raw(start(pid=0)), raw(start(v=2)),
     b"", b"null", b"[]", b"1", b'"s"', b"{", b"\xff", b"{}" * 3,
     raw(start(pad="x" * events.MAX_FRAME_BYTES)),
+    # json reads NaN and Infinity (orjson does not): a non-finite time is rejected either way.
+    raw(start()).replace(b'"mono":2.5', b'"mono":NaN'),
+    raw(start()).replace(b'"wall":', b'"wall":-Infinity,"x":'),
+    raw(end()).replace(b'"start_mono":', b'"start_mono":Infinity,"y":'),
 ]
 
 
@@ -131,6 +135,18 @@ def test_the_same_shape_with_bad_values_is_still_rejected_after_good_ones():
            raw(end(path=""))]
     results = assert_agree(good + bad + good)
     assert [type(r) is dict for r in results] == [True] * 6 + [False] * 5 + [True] * 6
+
+
+def test_a_known_shape_with_a_non_finite_time_is_rejected_without_orjson(monkeypatch):
+    # The json fallback reads NaN; the memo knows the shape from good events, so the memo's
+    # own check must catch it (a NaN time once killed the agent's loop: detector.tick()).
+    monkeypatch.setattr(codec, "orjson", None)
+    good = raw(start())
+    nan = good.replace(b'"mono":2.5', b'"mono":NaN')
+    inf_end = raw(end()).replace(b'"start_mono":', b'"start_mono":Infinity,"y":')
+    results = codec.decode_many([good, nan, raw(end()), inf_end, good])
+    assert [type(r) is dict for r in results] == [True, False, True, False, True]
+    assert {r.reason for r in results if type(r) is not dict} == {events.REJECT_INCOMPLETE}
 
 
 @needs_orjson
