@@ -13,6 +13,22 @@ from helpers import remove_tree, short_tmpdir  # noqa: E402
 _HAVE_TORCH = importlib.util.find_spec("torch") is not None
 
 
+def pytest_collection_modifyitems(config, items):
+    # scripts/test runs the suite on pytest-xdist workers with --dist loadgroup. Tests that
+    # share a module-scoped fixture (a torchrun job, a built wheel, a soak run) are kept on one
+    # worker, so that set-up is paid once, as in a serial run; every other test goes wherever
+    # a worker is free.
+    if not config.pluginmanager.hasplugin("xdist"):
+        return
+    for item in items:
+        info = getattr(item, "_fixtureinfo", None)
+        if info is None:
+            continue
+        scopes = {defs[-1].scope for defs in info.name2fixturedefs.values() if defs}
+        if "module" in scopes:
+            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+
+
 def pytest_runtest_setup(item):
     if not _HAVE_TORCH and item.get_closest_marker("torch") is not None:
         pytest.skip("needs torch (pip install -r requirements-test.txt)")
