@@ -10,9 +10,9 @@ import pytest
 from exporters.journal import Journal
 from monitor.detect.detector import Detector
 from monitor.detect.model import Collision, Write, Writer
-from monitor.cli.report import (GUARD_FIX, LOCAL_RANK_NOTE, OWN_PATH_FIX, add_arguments,
-                            clock_time, human_bytes, load, render_json, render_table, run,
-                            suggest_fix, summarize)
+from monitor.cli.report import (GUARD_FIX, LOCAL_RANK_NOTE, OWN_PATH_FIX, JournalSummary,
+                            add_arguments, clock_time, human_bytes, load, render_json,
+                            render_table, run, suggest_fix, summarize, summary_line)
 
 WALL0 = 1_764_457_487.0
 PATH = "/mnt/shared/ckpt/last.pt"
@@ -110,6 +110,19 @@ def test_json_parses_and_round_trips(tmp_path):
     assert json.loads(render_json([Collision.from_record(rec)]))["collisions"][0] == again
     assert same_record(again, rec)
     assert load(str(journal))[0].writers == Collision.from_record(rec).writers
+
+
+def test_the_closing_line_gives_a_long_journal_path_a_line_of_its_own():
+    # The report tests above use a short journal path; this is what a long one looks like.
+    summary = JournalSummary(writes=4)
+    head = "no collisions in 4 writes recorded in "
+    assert summary_line(summary, "/j/journal.jsonl") == head + "/j/journal.jsonl"
+    longer = "/var/lib/ckptwatch/" + "d" * 40 + "/journal.jsonl"     # 73 characters
+    assert summary_line(summary, longer) == head.rstrip() + "\n  " + longer
+    longest = "/" + "d" * 100 + "/journal.jsonl"
+    line = summary_line(summary, longest)
+    assert line == head.rstrip() + "\n  ..." + longest[-75:]
+    assert all(len(part) <= 80 for part in line.splitlines())
 
 
 def test_no_collisions_prints_a_summary(sockdir):
