@@ -177,16 +177,21 @@ def ev(seq):
 
 
 def test_exit_flush_delivers_events_of_a_short_lived_process(sock):
-    # The child queues events while no agent listens, so its sender sits in connect backoff
-    # (next retry about a second away). The agent appears and the child exits at once: only the
-    # exit flush, which retries immediately, can deliver the events before the process is gone.
+    # The child queues events while no agent listens, so its sender sits in connect backoff.
+    # The agent appears and the child exits at once: only the exit flush, which retries
+    # immediately, can deliver the events before the process is gone. The child's backoff is
+    # set to 30 s, so no scheduled retry can deliver them instead (the real backoff, which
+    # grows from 0.05 s to 1 s, took a 1.6 s sleep to get a retry a second away), and it says
+    # "ready" as soon as its first connect has failed.
     child = subprocess.Popen(
         [PY, "-c", EVENT_CODE + """
 import sys
-from ckptwatch.emitter import get_emitter
+from ckptwatch import emitter
+emitter.BACKOFF_MIN = emitter.BACKOFF_MAX = 30.0
 for seq in range(1, 51):
-    get_emitter().emit(ev(seq))
-time.sleep(1.6)
+    emitter.get_emitter().emit(ev(seq))
+while not emitter.get_emitter()._unreachable:
+    time.sleep(0.01)
 print("ready", flush=True)
 sys.stdin.readline()
 """], env=subprocess_env(CKPTWATCH_SOCKET=sock), cwd=REPO_ROOT, stdin=subprocess.PIPE,
@@ -312,8 +317,11 @@ def test_agent_that_stops_reading_never_blocks_the_caller(sock, make_emitter):
         assert stats["queued"] <= 1000
         assert stats["sent"] + stats["dropped"] + stats["queued"] <= 20000
     finally:
-        emitter.shutdown(0.1)
+        # The listener first: closing it resets the unaccepted connection, so the sender,
+        # blocked in sendall on a full buffer, fails at once instead of after SEND_TIMEOUT
+        # (2 s), and shutdown() need not wait for it.
         server.close()
+        emitter.shutdown(0.1)
 
 
 def test_sender_keeps_batching_after_a_flush(sock, make_emitter):

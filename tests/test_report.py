@@ -2,6 +2,7 @@
 import argparse
 import io
 import json
+import os
 import time
 
 import pytest
@@ -9,9 +10,9 @@ import pytest
 from exporters.journal import Journal
 from monitor.detect.detector import Detector
 from monitor.detect.model import Collision, Write, Writer
-from monitor.cli.report import (GUARD_FIX, LOCAL_RANK_NOTE, OWN_PATH_FIX, add_arguments,
-                            clock_time, human_bytes, load, render_json, render_table, run,
-                            suggest_fix, summarize)
+from monitor.cli.report import (GUARD_FIX, LOCAL_RANK_NOTE, OWN_PATH_FIX, JournalSummary,
+                            add_arguments, clock_time, human_bytes, load, render_json,
+                            render_table, run, suggest_fix, summarize, summary_line)
 
 WALL0 = 1_764_457_487.0
 PATH = "/mnt/shared/ckpt/last.pt"
@@ -60,8 +61,10 @@ def report(args_list):
     return code, out.getvalue(), err.getvalue()
 
 
-def test_table_lists_writers_in_start_order_with_the_fix(tmp_path):
-    journal = tmp_path / "journal.jsonl"
+def test_table_lists_writers_in_start_order_with_the_fix(sockdir):
+    # A short directory: the summary line cuts a journal path too long for 80 columns, and
+    # tmp_path's length depends on the runner (pytest-xdist adds a popen-gwN level).
+    journal = os.path.join(sockdir, "journal.jsonl")
     journal_from_detector(journal, [(2, "n1", 0.3), (0, "n1", 0.1), (3, "n2", 0.4),
                                     (1, "n2", 0.2)], extra_writes=2)
     code, out, err = report(["--journal", str(journal)])
@@ -77,7 +80,9 @@ def test_table_lists_writers_in_start_order_with_the_fix(tmp_path):
     assert "concurrent collision, 4 writers, overlapped 1.10s" in text   # 0.2 .. 1.3
     assert "last to finish: rank3@n2 (pid 103); the file on disk may mix" in text
     assert GUARD_FIX in text and LOCAL_RANK_NOTE in text       # ranks on two nodes
-    assert " ".join(line.strip() for line in lines[-2:]) == \
+    # The closing line, after the last blank line (the path moves to a line of its own when
+    # both do not fit).
+    assert out.rstrip("\n").split("\n\n")[-1].replace("\n  ", " ") == \
         f"1 collision on 1 path in 6 writes recorded in {journal}"
 
 
@@ -107,8 +112,21 @@ def test_json_parses_and_round_trips(tmp_path):
     assert load(str(journal))[0].writers == Collision.from_record(rec).writers
 
 
-def test_no_collisions_prints_a_summary(tmp_path):
-    journal = tmp_path / "journal.jsonl"
+def test_the_closing_line_gives_a_long_journal_path_a_line_of_its_own():
+    # The report tests above use a short journal path; this is what a long one looks like.
+    summary = JournalSummary(writes=4)
+    head = "no collisions in 4 writes recorded in "
+    assert summary_line(summary, "/j/journal.jsonl") == head + "/j/journal.jsonl"
+    longer = "/var/lib/ckptwatch/" + "d" * 40 + "/journal.jsonl"     # 73 characters
+    assert summary_line(summary, longer) == head.rstrip() + "\n  " + longer
+    longest = "/" + "d" * 100 + "/journal.jsonl"
+    line = summary_line(summary, longest)
+    assert line == head.rstrip() + "\n  ..." + longest[-75:]
+    assert all(len(part) <= 80 for part in line.splitlines())
+
+
+def test_no_collisions_prints_a_summary(sockdir):
+    journal = os.path.join(sockdir, "journal.jsonl")     # short: see the table test above
     journal_from_detector(journal, [(0, "n1", 0.0)], extra_writes=3)
     code, out, _ = report(["--journal", str(journal)])
     assert code == 0
