@@ -416,7 +416,7 @@ class Agent:
             if not self._stopping:
                 if kind == "start":
                     self.checks.write_started(event["path"], event.get(SENDER))
-                else:
+                elif not self.detector.is_open(node, event["pid"], event["seq"]):
                     self.checks.writer_seen(event["path"], event.get(SENDER))
             if fs is not None:
                 fs.add_path(event["path"])

@@ -411,6 +411,10 @@ class Detector:
         """Writes started and not yet ended (bounded by MAX_OPEN_TOTAL)."""
         return len(self._open)
 
+    def is_open(self, node: str, pid: int, seq: int) -> bool:
+        """Is that write in flight here (its start seen, its end not yet)?"""
+        return (node, pid, seq) in self._open
+
     @property
     def refused_starts(self) -> dict:
         """Starts refused at an open-write cap, by reason (REFUSE_REASONS)."""
