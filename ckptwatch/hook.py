@@ -390,8 +390,6 @@ _START = '{"v":%d,"type":"start",%%s%%d,"wall":%%.6f,"mono":%%.9f%%s}' % SCHEMA_
 _END = ('{"v":%d,"type":"end",%%s%%d,"wall":%%.6f,"mono":%%.9f,"start_wall":%%.6f,'
         '"start_mono":%%.9f,"bytes":%%s,"outcome":%%s%%s}' % SCHEMA_VERSION)
 _OK = _json_str("ok")
-_MAX_FRAME = events.MAX_FRAME_BYTES
-_pack_length = events.HEADER.pack
 
 
 def _start_frame(pending) -> bytes:
@@ -400,28 +398,20 @@ def _start_frame(pending) -> bytes:
 
 
 def _end_frame(pending, wall, mono, size, outcome) -> bytes:
-    cached = _prefixes.get((pending[2], pending[3], pending[4]))
-    prefix = cached[1] if cached is not None and cached[0] is pending[0] else _prefix(pending)
-    payload = (_END % (
-        prefix, pending[1], wall, mono, pending[5], pending[6],
+    return events.frame((_END % (
+        _prefix(pending), pending[1], wall, mono, pending[5], pending[6],
         "null" if size is None else size, _OK if outcome == "ok" else _json_str(outcome),
-        _start_extra)).encode("ascii")
-    if len(payload) > _MAX_FRAME:          # events.frame(), inline on the save path
-        raise ValueError(f"event of {len(payload)} bytes exceeds {_MAX_FRAME}")
-    return _pack_length(len(payload)) + payload
+        _start_extra)).encode("ascii"))
 
 
 def _begin(args, kwargs):
     f = args[1] if len(args) > 1 else kwargs.get("f")
-    if type(f) is str and f[:1] == "/" and "/." not in f and "//" not in f and f[-1:] != "/":
-        path, fileobj = f, None         # _target_path's most common case, without the calls
-    else:
-        target = _target_path(f)
-        if not target:
-            if target is None:
-                _counters["unreported"] += 1
-            return None
-        path, fileobj = target
+    target = _target_path(f)
+    if not target:
+        if target is None:
+            _counters["unreported"] += 1
+        return None
+    path, fileobj = target
     frame = _caller(sys._getframe(2))
     if frame is None:
         code = line = None

@@ -78,3 +78,25 @@ def no_thread_leak():
             return
         time.sleep(0.05)
     raise AssertionError(f"leaked threads: {leaked}")
+
+
+@pytest.fixture
+def sock(sockdir):
+    """The agent socket path tests listen on (a Receiver, a hand-driven server, an agent)."""
+    return os.path.join(sockdir, "agent.sock")
+
+
+@pytest.fixture
+def make_emitter(no_thread_leak):
+    """Private Emitters, each shut down after the test (no sender thread may leak)."""
+    from ckptwatch.emitter import Emitter
+    made = []
+
+    def make(path, **kwargs):
+        emitter = Emitter(path, **kwargs)
+        made.append(emitter)
+        return emitter
+
+    yield make
+    for emitter in made:
+        emitter.shutdown(0.5)

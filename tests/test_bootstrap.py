@@ -41,11 +41,6 @@ FAKE_TORCH = {
 
 
 @pytest.fixture
-def sock(sockdir):
-    return os.path.join(sockdir, "agent.sock")
-
-
-@pytest.fixture
 def fake_torch(tmp_path):
     root = tmp_path / "fake"
     for rel, text in FAKE_TORCH.items():

@@ -9,11 +9,9 @@ import subprocess
 import sys
 import time
 
-import pytest
 
 from helpers import REPO_ROOT, subprocess_env, wait_for
 from ckptwatch import events
-from ckptwatch.emitter import Emitter
 from receiver import Receiver
 
 PY = sys.executable
@@ -23,25 +21,6 @@ def start_event(seq: int, pid: int | None = None) -> dict:
     return {"v": 1, "type": "start", "node": "test-node", "pid": pid or os.getpid(),
             "seq": seq, "path": f"/tmp/ckpt-{seq}.pt", "wall": time.time(),
             "mono": time.monotonic()}
-
-
-@pytest.fixture
-def sock(sockdir):
-    return os.path.join(sockdir, "agent.sock")
-
-
-@pytest.fixture
-def make_emitter(no_thread_leak):
-    made = []
-
-    def make(path, **kwargs):
-        emitter = Emitter(path, **kwargs)
-        made.append(emitter)
-        return emitter
-
-    yield make
-    for emitter in made:
-        emitter.shutdown(0.5)
 
 
 def seqs(rx: Receiver, kind: str = "start") -> list[int]:

@@ -12,7 +12,6 @@ import pytest
 from helpers import wait_for
 from ckptwatch import emitter as emitter_mod
 from ckptwatch import events
-from ckptwatch.emitter import Emitter
 from receiver import Receiver
 
 
@@ -23,25 +22,6 @@ def event(kind: str, seq: int) -> dict:
     if kind == "end":
         ev.update(start_wall=now_wall, start_mono=now_mono, bytes=1, outcome="ok")
     return ev
-
-
-@pytest.fixture
-def sock(sockdir):
-    return os.path.join(sockdir, "agent.sock")
-
-
-@pytest.fixture
-def make_emitter(no_thread_leak):
-    made = []
-
-    def make(path, **kwargs):
-        emitter = Emitter(path, **kwargs)
-        made.append(emitter)
-        return emitter
-
-    yield make
-    for emitter in made:
-        emitter.shutdown(0.5)
 
 
 class Server:

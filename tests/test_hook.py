@@ -21,11 +21,6 @@ PY = sys.executable
 
 
 @pytest.fixture
-def sock(sockdir):
-    return os.path.join(sockdir, "agent.sock")
-
-
-@pytest.fixture
 def rx(sock):
     with Receiver(sock) as receiver:
         yield receiver

@@ -14,11 +14,6 @@ from receiver import Receiver
 PY = sys.executable
 
 
-@pytest.fixture
-def sock(sockdir):
-    return os.path.join(sockdir, "agent.sock")
-
-
 def test_build_env_prepends_bootstrap_and_keeps_existing_path():
     environ = {"PYTHONPATH": f"/a{os.pathsep}/b", "HOME": "/home/x"}
     env = runner.build_env(environ, "/run/agent.sock")
