@@ -1,7 +1,7 @@
 """ckptwatch agent: `python agent.py [flags]`, the same daemon as `ckptwatch agent`.
 
 A script, not an installed module (a wheel installs no top-level `agent`): the daemon's entry
-point is monitor.daemon.main, which `ckptwatch agent` calls too.
+point is monitor.agent.daemon.main, which `ckptwatch agent` calls too.
 """
 import os
 import sys
@@ -9,5 +9,5 @@ import sys
 if __name__ == "__main__":
     # Run from a checkout without installing: the repository root holds monitor/.
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from monitor.daemon import main
+    from monitor.agent.daemon import main
     sys.exit(main())

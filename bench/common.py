@@ -8,7 +8,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
-from monitor.launcher import AgentProcess, free_port  # noqa: E402
+from monitor.cli.launcher import AgentProcess, free_port  # noqa: E402
 
 __all__ = ["REPO", "Agent", "free_port"]
 

@@ -10,7 +10,7 @@ finished (scraped from its /metrics), i.e. the whole pipeline: ingest, decode, v
 detector, metrics, journal. Loss = sent - received. Target (issue 8, item 11): >= 50,000
 events/s, zero loss, 8 senders.
 
---stage ingest measures the socket server alone (monitor.ingest.IngestServer in this process,
+--stage ingest measures the socket server alone (monitor.ingest.server.IngestServer in this process,
 counting validated events): receive, framing, JSON decoding, validation, pid check.
 
 Both stages print CPU time per event next to events/s: on a shared, loaded machine the rate
@@ -56,10 +56,10 @@ def sender(sock_path: str, n_events: int, index: int, go, batch: int = 256) -> N
 def ingest_only(args, ctx) -> int:
     import tempfile
     import threading
-    from monitor.ingest import IngestServer
+    from monitor.ingest.server import IngestServer
     try:
-        from monitor.codec import BACKEND as decoder
-    except ImportError:     # a checkout from before monitor/codec.py, measured for comparison
+        from monitor.ingest.codec import BACKEND as decoder
+    except ImportError:     # a checkout from before monitor/ingest/codec.py, measured for comparison
         decoder = "json (events.decode_many)"
     total = args.senders * (args.events // 2) * 2
     count = [0]

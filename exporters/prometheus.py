@@ -41,7 +41,7 @@ from prometheus_client.exposition import choose_encoder
 from ckptwatch.events import REJECT_REASONS
 from exporters.labels import OVERFLOW, LabelLimits, LabelValues, clean
 from monitor.detect.detector import REFUSE_REASONS as START_REFUSE_REASONS
-from monitor.ingest import EVICT_REASONS, REFUSE_REASONS
+from monitor.ingest.server import EVICT_REASONS, REFUSE_REASONS
 from monitor.verify.integrity import CAUSES as CORRUPT_CAUSES
 from monitor.detect.model import (FINDING_HAZARD, FINDING_VERIFICATION, SOURCE_FS,
                                   SOURCE_HOOK, Collision, Finding, Write)

@@ -16,7 +16,7 @@ import sys
 import uuid
 
 from helpers import subprocess_env, wait_for
-from monitor import launcher
+from monitor.cli import launcher
 
 
 # wait_judged() sends its sentinel collisions as this job, on paths under SENTINEL_DIR next to
@@ -26,7 +26,7 @@ SENTINEL_DIR = "sentinel"
 
 
 class AgentProcess(launcher.AgentProcess):
-    """monitor.launcher's agent with what tests wait for; wait_judged()'s sentinels are left
+    """monitor.cli.launcher's agent with what tests wait for; wait_judged()'s sentinels are left
     out of what it shows."""
 
     def metric(self, name: str, **labels) -> float | None:

@@ -187,8 +187,8 @@ def test_python_agent_py_help():
 def test_health_fails_when_ingest_thread_is_gone(tmp_path, sockdir, no_thread_leak):
     import time
 
-    from monitor.daemon import STALL_SECONDS, health_check
-    from monitor.ingest import IngestServer
+    from exporters.health import STALL_SECONDS, health_check
+    from monitor.ingest.server import IngestServer
 
     ingest = IngestServer(os.path.join(sockdir, "h.sock"), lambda e: None, lambda r: None)
     heartbeat = [time.monotonic()]
@@ -342,8 +342,8 @@ def test_agent_stop_finalises_pending_collisions_and_removes_its_socket(workdir,
     import time
 
     from exporters.journal import read_records
-    from monitor import config
-    from monitor.daemon import Agent
+    from monitor.agent import config
+    from monitor.agent.daemon import Agent
 
     sock = os.path.join(sockdir, "inproc.sock")
     journal = os.path.join(workdir, "journal.jsonl")
@@ -383,8 +383,9 @@ def test_health_fails_while_the_loop_is_behind_its_queue(sockdir, no_thread_leak
     and recovers when the loop takes it (issue 8 item 5: a loop that is behind is unhealthy)."""
     import time
 
-    from monitor.daemon import MAX_LAG_SECONDS, Inbox, health_check
-    from monitor.ingest import IngestServer
+    from exporters.health import MAX_LAG_SECONDS, health_check
+    from monitor.ingest.inbox import Inbox
+    from monitor.ingest.server import IngestServer
 
     now = [100.0]
     inbox = Inbox(clock=lambda: now[0])
@@ -533,8 +534,8 @@ def test_a_watched_write_whose_start_comes_after_its_close_is_still_verified(wor
     and `ckptwatch check`: 10-30 of 520 new files unverified with inotify + fanotify)."""
     import time
 
-    from monitor import config
-    from monitor.daemon import Agent
+    from monitor.agent import config
+    from monitor.agent.daemon import Agent
     from monitor.fs.source import FILE_CLOSED, FileNotice
 
     root = os.path.join(workdir, "ckpt")

@@ -1,9 +1,9 @@
-"""monitor.codec: the agent's fast decoder agrees with the contract's reference decoder
+"""monitor.ingest.codec: the agent's fast decoder agrees with the contract's reference decoder
 (ckptwatch.events) on every payload -- the same event, or the same reject reason.
 
 Agreement means the same repr: key order, int vs float vs bool and NaN all count. The
 decoder-level reasons are malformed, oversized, unknown_version and incomplete; truncated and
-pid_mismatch are decided by the framing and the socket (monitor/ingest.py), not by a decoder.
+pid_mismatch are decided by the framing and the socket (monitor/ingest/server.py), not by a decoder.
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from ckptwatch import events
 from helpers import REPO_ROOT
-from monitor import codec
+from monitor.ingest import codec
 
 FIXTURES = os.path.join(REPO_ROOT, "tests", "fixtures", "events")
 GOLDEN = sorted(glob.glob(os.path.join(FIXTURES, "*", "*.json")))

@@ -1,4 +1,4 @@
-"""monitor.config: defaults, config files (TOML, YAML), precedence, every error at once."""
+"""monitor.agent.config: defaults, config files (TOML, YAML), precedence, every error at once."""
 import grp
 import os
 import subprocess
@@ -7,9 +7,9 @@ import sys
 import pytest
 
 from helpers import REPO_ROOT, subprocess_env
-from monitor import config
+from monitor.agent import config
 from ckptwatch import paths
-from monitor.config import Config, ConfigError, load
+from monitor.agent.config import Config, ConfigError, load
 
 
 def test_defaults():

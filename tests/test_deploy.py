@@ -504,7 +504,7 @@ def test_daemonset_hygiene(manifests):
 
 
 def test_daemonset_args_are_valid_agent_config(manifests):
-    from monitor import config
+    from monitor.agent import config
     agent = next(c for c in find(manifests, "DaemonSet")["spec"]["template"]["spec"]
                  ["containers"] if c["name"] == "agent")
     cfg = config.load(agent["args"])
@@ -563,7 +563,7 @@ def test_systemd_unit_is_hardened_and_runs_the_agent():
     s = unit_settings()
     exec_start = shlex.split(s["ExecStart"][0])
     assert exec_start[1] == "agent"
-    from monitor import config
+    from monitor.agent import config
     assert config.load(exec_start[2:]).socket == "/run/ckptwatch/agent.sock"
     assert s["User"] == ["ckptwatch"]
     assert s["CapabilityBoundingSet"] == [""]
@@ -701,7 +701,7 @@ def test_image_runs_as_its_user_with_home_and_directories():
     for d in ("/run/ckptwatch", "/var/lib/ckptwatch", env["HOME"]):
         assert d in script, d
     assert by_kind["EXPOSE"] == ["19400"]
-    from monitor import config
+    from monitor.agent import config
     cmd = default_command()
     assert cmd[:2] == ["ckptwatch", "agent"]
     cfg = config.load(cmd[2:])

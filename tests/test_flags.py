@@ -8,7 +8,7 @@ import pytest
 
 from ckptwatch.version import __version__
 from helpers import REPO_ROOT, subprocess_env
-from monitor import config
+from monitor.agent import config
 from monitor.cli import main as cli
 
 COMMANDS = ([], ["agent"], ["run"], ["report"], ["scan"], ["lint"], ["demo"])

@@ -1,4 +1,4 @@
-"""The agent process's collector settings (monitor.gcpolicy), in a process of their own: they
+"""The agent process's collector settings (monitor.agent.gcpolicy), in a process of their own: they
 are process-wide, and this test process must keep its own."""
 import os
 import subprocess
@@ -8,7 +8,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_configure_sets_the_thresholds_and_freezes_what_exists():
-    code = ("import gc; from monitor import gcpolicy; gcpolicy.configure(); "
+    code = ("import gc; from monitor.agent import gcpolicy; gcpolicy.configure(); "
             "print(gc.get_threshold() == (gcpolicy.GEN0_THRESHOLD, gcpolicy.GEN1_THRESHOLD, "
             "gcpolicy.GEN2_THRESHOLD), gc.get_freeze_count() > 1000, gc.isenabled())")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
@@ -18,8 +18,8 @@ def test_configure_sets_the_thresholds_and_freezes_what_exists():
 
 def test_importing_the_daemon_leaves_the_collector_alone():
     """Only main() (the agent process) changes the settings, not a test or tool that imports
-    monitor.daemon."""
-    code = ("import gc; before = gc.get_threshold(); import monitor.daemon; "
+    monitor.agent.daemon."""
+    code = ("import gc; before = gc.get_threshold(); import monitor.agent.daemon; "
             "print(gc.get_threshold() == before, gc.get_freeze_count())")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
                          text=True, env={**os.environ, "PYTHONPATH": REPO}, check=True).stdout

@@ -1,4 +1,4 @@
-"""monitor.ingest with real Unix sockets: delivery, every reject reason, isolation, socket path."""
+"""monitor.ingest.server with real Unix sockets: delivery, every reject reason, isolation, socket path."""
 import os
 import random
 import socket
@@ -12,7 +12,7 @@ import pytest
 
 from helpers import wait_for
 from ckptwatch import events
-from monitor.ingest import AgentAlreadyRunning, IngestError, IngestServer
+from monitor.ingest.server import AgentAlreadyRunning, IngestError, IngestServer
 
 
 def start_event(pid=None, seq=1, path="/ckpt/last.pt", **extra):
@@ -283,7 +283,7 @@ def test_trainer_in_its_own_pid_namespace_is_accepted_with_its_node_pid(server):
 
 
 def test_namespace_pid_reads_the_innermost_nspid(tmp_path):
-    from monitor.ingest import namespace_pid
+    from monitor.ingest.server import namespace_pid
     (tmp_path / "42").mkdir()
     (tmp_path / "42" / "status").write_text("Name:\tpython\nNSpid:\t42\t7\t1\nPPid:\t1\n")
     assert namespace_pid(42, proc_root=str(tmp_path)) == 1

@@ -1,4 +1,4 @@
-"""monitor.ingest's acknowledgements: a hook that asked (hello "ack": true) is told how many of
+"""monitor.ingest.server's acknowledgements: a hook that asked (hello "ack": true) is told how many of
 its frames the agent has taken in -- handed on and finished by the consumer -- and nothing more.
 
 Real IngestServer, real Unix socket clients in this process (their pid is ours, so the server's
@@ -10,8 +10,8 @@ import time
 import pytest
 
 from ckptwatch import events
-from monitor import ingest
-from monitor.ingest import IngestServer
+from monitor.ingest.server import server
+from monitor.ingest.server import IngestServer
 from test_ingest import Recorder, connect, start_event
 from helpers import wait_for
 

@@ -1,4 +1,4 @@
-"""monitor.ingest under connection floods: per-peer caps, room for new peers, counted and
+"""monitor.ingest.server under connection floods: per-peer caps, room for new peers, counted and
 rate-limited refusals, stalled partial frames. Real Unix sockets and real processes (other uids
 need root: the tests that use them are skipped otherwise)."""
 import logging
@@ -12,7 +12,7 @@ import pytest
 
 from ckptwatch import events
 from helpers import subprocess_env, wait_for
-from monitor.ingest import IngestServer
+from monitor.ingest.server import IngestServer
 
 NOBODY, NOGROUP = 65534, 65533
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run peers as other uids")
@@ -244,7 +244,7 @@ def hazard_event(pid, i):
 def test_job_scope_events_are_rate_limited_per_connection_writes_are_not(make_server):
     """A local process may say anything about other nodes (remote, hazard, jobscope events
     cannot be checked): it may say only so much. Its own start events still all get in."""
-    from monitor.ingest import JOB_SCOPE_BURST
+    from monitor.ingest.server import JOB_SCOPE_BURST
     from ckptwatch import events
     srv = make_server()
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

@@ -1,4 +1,4 @@
-"""monitor.ingest's one outgoing path: notices to hooks that asked for them (warn policy).
+"""monitor.ingest.server's one outgoing path: notices to hooks that asked for them (warn policy).
 
 Real IngestServer, real Unix socket clients in this process (their pid is ours, so the
 server's pid check passes)."""
@@ -9,8 +9,8 @@ import time
 import pytest
 
 from ckptwatch import events
-from monitor import ingest
-from monitor.ingest import IngestServer
+from monitor.ingest.server import server
+from monitor.ingest.server import IngestServer
 from test_ingest import Recorder, connect, start_event
 from helpers import wait_for
 

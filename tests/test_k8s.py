@@ -16,7 +16,7 @@ from ckptwatch import paths
 from helpers import REPO_ROOT
 from k8sdocs import (CRD_CHECKS, K8S_VERSION, baseline_violations, containers, load_all,
                      pod_specs, restricted_violations, validate)
-from monitor import config
+from monitor.agent import config
 
 pytest.importorskip("kubernetes_validate", reason="kubernetes-validate not installed "
                     "(requirements-test.txt)")

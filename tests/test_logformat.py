@@ -1,11 +1,11 @@
-"""monitor.logformat: one parseable line per record, logfmt quoting, JSON, levels."""
+"""monitor.agent.logformat: one parseable line per record, logfmt quoting, JSON, levels."""
 import io
 import json
 import logging
 
 import pytest
 
-from monitor import logformat
+from monitor.agent import logformat
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ import pytest
 from ckptwatch import events, policy
 from ckptwatch.emitter import Emitter
 from helpers import wait_for
-from monitor.notices import notices_for
+from monitor.ingest.notices import notices_for
 
 
 @pytest.fixture(autouse=True)

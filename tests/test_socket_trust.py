@@ -20,7 +20,7 @@ from helpers import REPO_ROOT, short_tmpdir, remove_tree, subprocess_env, wait_f
 from receiver import Receiver
 from ckptwatch import events
 from exporters.journal import Journal
-from monitor.ingest import IngestError, IngestServer
+from monitor.ingest.server import IngestError, IngestServer
 
 NOBODY = 65534
 
@@ -378,10 +378,10 @@ def test_journal_files_are_0640_or_stricter_whatever_the_umask(tmp_path):
 
 # --- the pieces: whose rights a due path is read with, and open_as ---------------------------
 
-from monitor.sender import Sender, open_as  # noqa: E402
+from monitor.verify.rights import Rights, open_as  # noqa: E402
 from monitor.verify.worker import MAX_SENDERS, VerifySchedule  # noqa: E402
 
-ALICE = Sender(NOBODY, NOBODY, frozenset({NOBODY}))
+ALICE = Rights(NOBODY, NOBODY, frozenset({NOBODY}))
 
 
 def test_schedule_reads_with_the_senders_rights_unless_the_watcher_saw_the_write():
@@ -392,7 +392,7 @@ def test_schedule_reads_with_the_senders_rights_unless_the_watcher_saw_the_write
     s.write_started("/c/fs.pt", 1.0, watched=True)
     s.write_finished("/c/fs.pt", "", 1.0)
     s.write_finished("/c/nobody.pt", "", 1.0)           # no start seen: nobody's rights
-    many = [Sender(1000 + i, 1000) for i in range(MAX_SENDERS + 3)]
+    many = [Rights(1000 + i, 1000) for i in range(MAX_SENDERS + 3)]
     for sender in many:
         s.write_started("/c/many.pt", 1.0, sender)
     s.write_finished("/c/many.pt", "", 1.0)
@@ -435,7 +435,7 @@ def test_open_as_follows_the_kernels_rules_for_the_sender(base):
               "round-trip": True, "loop": False, "fifo": False, "missing": False}
     got = {name: _can(os.path.join(base, name)) for name in expect}
     assert got == expect
-    assert _can(os.path.join(base, "root-only"), Sender(0, 0, frozenset({0}), read_all=True))
+    assert _can(os.path.join(base, "root-only"), Rights(0, 0, frozenset({0}), read_all=True))
     assert not _can("relative/path")
 
 
@@ -449,5 +449,5 @@ def test_open_as_refuses_a_file_with_an_acl_it_cannot_evaluate(base):
         os.setxattr(path, "system.posix_acl_access", acl)
     except OSError as exc:
         pytest.skip(f"no POSIX ACLs here: {exc}")
-    assert not _can(path, Sender(NOBODY, 0, frozenset({0})))
-    assert _can(path, Sender(0, 0, frozenset({0})))     # the owner's entry is exact
+    assert not _can(path, Rights(NOBODY, 0, frozenset({0})))
+    assert _can(path, Rights(0, 0, frozenset({0})))     # the owner's entry is exact

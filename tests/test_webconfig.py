@@ -10,7 +10,7 @@ import pytest
 from exporters import webconfig
 from exporters.webconfig import BasicAuth, WebConfigError
 from helpers import REPO_ROOT, subprocess_env
-from monitor import config
+from monitor.agent import config
 from tlsfiles import bcrypt_hash, make_pki, write_web_config
 
 

@@ -1,6 +1,6 @@
 """`ckptwatch check [options] -- CMD [ARGS...]`: a CI gate for checkpointing.
 
-It starts a private agent (monitor.launcher: its own socket, port and journal; watching the
+It starts a private agent (monitor.cli.launcher: its own socket, port and journal; watching the
 --watch.path directories), runs CMD with the hook in every Python process it starts (the
 `ckptwatch run` environment pointed at that socket), streams CMD's output through untouched,
 waits until the agent has judged everything CMD did, stops the agent (SIGTERM: pending
@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from exporters.journal import read_records
 from monitor.cli import report
 from monitor.cli.run import build_env
-from monitor.launcher import AgentProcess
+from monitor.cli.launcher import AgentProcess
 
 EXIT_UNSAFE = 1
 EXIT_USAGE = 2

@@ -15,7 +15,7 @@ import tempfile
 import time
 import urllib.request
 
-from monitor.launcher import AgentProcess
+from monitor.cli.launcher import AgentProcess
 
 
 def _say(text: str = "") -> None:

@@ -24,7 +24,7 @@ ckptwatch: catch concurrent torch.save writes to one checkpoint path, and say wh
 
 
 def _agent(argv: list[str]) -> int:
-    from monitor import daemon
+    from monitor.agent import daemon
     return daemon.main(argv)
 
 

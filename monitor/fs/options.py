@@ -1,6 +1,6 @@
 """The choices the filesystem side accepts, defined once.
 
-No imports: monitor.config (and so `ckptwatch agent --help`) and `ckptwatch scan` read these
+No imports: monitor.agent.config (and so `ckptwatch agent --help`) and `ckptwatch scan` read these
 without loading watchdog or ctypes.
 """
 

@@ -11,7 +11,7 @@ Two parts with one responsibility each:
   on top, never a reason to fall behind.
 
 Whose rights: a path named by a hook's event is read only as far as that sender could read it
-itself (monitor.sender.open_as with the sender's credentials, taken by the ingest server from
+itself (monitor.verify.rights.open_as with the sender's credentials, taken by the ingest server from
 the kernel); a path the agent's own watcher saw under a watched root (the operator's choice) is
 read with the agent's rights. A path with neither is not verified (counted in denied_total).
 What is read never reaches the journal or the log as content: verdict reasons that would quote
@@ -41,7 +41,7 @@ import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
-from monitor import sender as senders
+from monitor.verify import rights
 from monitor.verify import integrity
 from monitor.verify import sets as checkpoint_sets
 
@@ -118,7 +118,7 @@ class VerifySchedule:
     max_paths: int = 10000
     _due: dict = field(default_factory=dict)            # hook-reported path -> _Due
     _due_watched: dict = field(default_factory=dict)    # watched path -> _Due
-    # hook-reported path -> the senders (monitor.sender.Sender) whose hooks wrote there:
+    # hook-reported path -> the senders (monitor.verify.rights.Rights) whose hooks wrote there:
     # whose rights a read needs. Bounded (the oldest path is forgotten first: then nobody's,
     # and it is not read).
     _senders: OrderedDict = field(default_factory=OrderedDict)
@@ -148,7 +148,7 @@ class VerifySchedule:
 
     def write_started(self, path: str, now: float, sender=None, watched: bool = False) -> None:
         """A new write on `path`: a due path is not quiet any more, wait for its end.
-        `sender`: the hook's Sender; watched: the agent's own watcher saw the write."""
+        `sender`: the hook's Rights; watched: the agent's own watcher saw the write."""
         entry = self._entry(path)
         if entry is not None:
             entry.at = float("inf")
@@ -157,7 +157,7 @@ class VerifySchedule:
             self._note(path, None if watched else sender)
 
     def note_sender(self, path: str, sender) -> None:
-        """`sender` (monitor.sender.Sender) wrote `path`: it may be read with its rights."""
+        """`sender` (monitor.verify.rights.Rights) wrote `path`: it may be read with its rights."""
         self._note(path, sender)
 
     def _note(self, path: str, sender) -> None:
@@ -375,7 +375,7 @@ class Verifier:
         fd = None
         for sender in readers:
             try:
-                fd = senders.open_as(path, sender)
+                fd = rights.open_as(path, sender)
                 break
             except FileNotFoundError:
                 return Verification(path, RESULT_GONE, job=job, collision_id=collision_id,

@@ -3,7 +3,7 @@
 One background thread multiplexes every connection with `selectors` over non-blocking sockets;
 each connection has its own FrameReader, so one client's garbage never touches another's
 stream. Transport and framing are described in ckptwatch/events.py; payloads are decoded by
-monitor/codec.py (the contract's decoder, with orjson when installed).
+monitor/ingest/codec.py (the contract's decoder, with orjson when installed).
 
 Each event's pid is checked against the kernel's peer credentials (SO_PEERCRED) of the
 connection it arrived on, so a process cannot report writes on behalf of another. The kernel
@@ -65,9 +65,9 @@ from collections import deque
 from typing import Callable
 
 from ckptwatch import events, paths
-from monitor import codec
-from monitor.logthrottle import ThrottledWarning
-from monitor.sender import Sender, peer_sender
+from monitor.ingest import codec
+from monitor.ingest.throttle import ThrottledWarning
+from monitor.verify.rights import Rights, peer_rights
 
 log = logging.getLogger("ckptwatch.ingest")
 
@@ -79,9 +79,9 @@ _BACKLOG = 4096                     # the kernel caps it at net.core.somaxconn
 MAX_NOTICES = 256                   # notice frames waiting for the server thread
 ACK_INTERVAL = 0.05                 # at most one ack per connection this often (seconds)
 _MAX_RECEIPTS = 256                 # unacknowledged reads remembered per connection
-# Agent-side field set on every accepted event: the sender's credentials (monitor.sender), from
+# Agent-side field set on every accepted event: the sender's credentials (monitor.verify.rights), from
 # the kernel, never from the wire (a client's own field of this name is overwritten).
-SENDER = "agent_sender"
+RIGHTS = "agent_rights"
 
 
 class IngestError(RuntimeError):
@@ -113,7 +113,7 @@ JOB_SCOPE_BURST = 512.0
 
 
 class _Conn:
-    __slots__ = ("sock", "pid", "uid", "ns_pid", "sender", "reader", "last_active",
+    __slots__ = ("sock", "pid", "uid", "ns_pid", "rights", "reader", "last_active",
                  "partial_since", "tokens", "tokens_at", "wants_notices", "unsent",
                  "wants_acks", "frames", "receipts", "ackable", "acked", "acked_at")
 
@@ -121,12 +121,12 @@ class _Conn:
         self.sock = sock
         self.pid = pid
         self.uid = uid
-        # What the peer may read (monitor.sender) and what it calls itself when it lives in a
+        # What the peer may read (monitor.verify.rights) and what it calls itself when it lives in a
         # nested pid namespace (else == pid): one read of /proc/<pid>/status per connection.
         if pid > 0:
-            self.sender, self.ns_pid = peer_sender(pid, uid, gid)
+            self.rights, self.ns_pid = peer_rights(pid, uid, gid)
         else:
-            self.sender, self.ns_pid = Sender(uid, gid), None
+            self.rights, self.ns_pid = Rights(uid, gid), None
         self.reader = events.FrameReader()
         self.last_active = now               # monotonic time of the last bytes received
         self.partial_since: float | None = None  # when the unfinished frame buffered began
@@ -697,7 +697,7 @@ class IngestServer:
                 if event["notices"] is True:
                     conn.wants_notices = True
                 del event["notices"]    # a connection property, not the write's
-            event[SENDER] = conn.sender
+            event[RIGHTS] = conn.rights
             good.append(event)
         if not good:
             return

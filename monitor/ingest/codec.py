@@ -140,7 +140,7 @@ def _drop_tracebacks(exc: BaseException) -> None:
     holds the frames it passed, and a frame holds the exception bound in its `except ... as`
     (this one's exc, the reference decoder's JSON or UTF-8 error): cycles that only the
     cyclic collector frees, 10-17 objects per reject, and a flood of garbage is all rejects
-    (monitor/gcpolicy.py lets them wait longer). Rejects are counted by reason; nothing reads
+    (monitor/agent/gcpolicy.py lets them wait longer). Rejects are counted by reason; nothing reads
     their tracebacks."""
     for _ in range(8):      # a chain is 1-3 long; Python never lets one loop, bounded anyway
         if exc is None:

@@ -29,7 +29,7 @@ _PATH_FLAGS = os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 @dataclass(frozen=True)
-class Sender:
+class Rights:
     """What the process on the other end of a connection may read."""
 
     uid: int
@@ -38,9 +38,9 @@ class Sender:
     read_all: bool = False         # CAP_DAC_OVERRIDE or CAP_DAC_READ_SEARCH in our user ns
 
 
-def peer_sender(pid: int, uid: int, gid: int, proc_root: str = "/proc"
-                ) -> tuple[Sender, int | None]:
-    """(Sender, namespace pid) of a peer, from SO_PEERCRED values and /proc/<pid>/status.
+def peer_rights(pid: int, uid: int, gid: int, proc_root: str = "/proc"
+                ) -> tuple[Rights, int | None]:
+    """(Rights, namespace pid) of a peer, from SO_PEERCRED values and /proc/<pid>/status.
     Without a readable status: its primary group only, no capabilities, no namespace pid."""
     groups, caps, ns_pid = {gid}, 0, None
     try:
@@ -57,7 +57,7 @@ def peer_sender(pid: int, uid: int, gid: int, proc_root: str = "/proc"
     if caps and not _same_user_namespace(pid, proc_root):
         caps = 0
     read_all = bool(caps & (_CAP_DAC_OVERRIDE | _CAP_DAC_READ_SEARCH))
-    return Sender(uid, gid, frozenset(groups), read_all), ns_pid
+    return Rights(uid, gid, frozenset(groups), read_all), ns_pid
 
 
 def _same_user_namespace(pid: int, proc_root: str) -> bool:
@@ -76,7 +76,7 @@ def _has_acl(fd: int) -> bool:
     return True
 
 
-def allows(st: os.stat_result, fd: int, sender: Sender, want: int) -> bool:
+def allows(st: os.stat_result, fd: int, sender: Rights, want: int) -> bool:
     """Would the kernel grant `sender` the `want` bits (4 read, 1 search) on this object?"""
     if sender.read_all:
         return True
@@ -90,7 +90,7 @@ def allows(st: os.stat_result, fd: int, sender: Sender, want: int) -> bool:
     return mode & want == want
 
 
-def open_as(path: str, sender: Sender) -> int:
+def open_as(path: str, sender: Rights) -> int:
     """A read-only descriptor of the regular file `path`, if `sender` could open it for
     reading itself. PermissionError (with the reason) otherwise; the caller closes the fd."""
     if not path.startswith("/"):

@@ -16,39 +16,38 @@ import signal
 import sys
 import threading
 import time
-from collections import deque
 
 import psutil
 
+from ckptwatch.events import JOB_SCOPE_TYPES
 from exporters.fanout import Fanout
+from exporters.health import health_check
 from exporters.journal import Journal, JournalError, JournalExporter
 from exporters.logline import LogExporter
 from exporters.prometheus import MetricsExporter, MetricsServer, MetricsState, build_registry
-from monitor.verify import crc
-from monitor import gcpolicy, logformat
-from monitor.config import Config
+from monitor.agent import gcpolicy, logformat
+from monitor.agent.config import Config
+from monitor.agent.jobreports import JobScopeEvents
 from monitor.detect.detector import Detector
 from monitor.detect.merge import SourceMerger
 from monitor.detect.model import SOURCE_FS, Collision, Finding, Write
-from monitor.jobscope import JobScopeEvents
 from monitor.detect.sizes import SizeHistory
 from monitor.fs.source import FILE_CHANGED, FILE_CLOSED, FileNotice, FsSource
-from monitor.ingest import SENDER, IngestError, IngestServer
-from ckptwatch.events import JOB_SCOPE_TYPES
-from monitor.notices import notices_for
-from monitor.verify.worker import Verification, Verifier, VerifySchedule
+from monitor.ingest.inbox import Inbox
+from monitor.ingest.notices import notices_for
+from monitor.ingest.server import RIGHTS, IngestError, IngestServer
+from monitor.verify import crc
+from monitor.verify.checks import Checks
+from monitor.verify.worker import Verification
 
 log = logging.getLogger("ckptwatch.agent")
 
 TICK_SECONDS = 0.2          # detector.tick() cadence: settles collisions, expires old writes
-BATCH = 4096                # events taken from the queue per turn
 MAX_BACKLOG = 2048         # events waiting before ingest stops reading: half a batch, ~6 MB
                            # (decoded events cost ~2.4-3 KB each; 8,192 held ~25 MB at the
                            # soak's peak) and a fraction of a second of work for a loaded
                            # loop, which a hook's events wait behind; the senders' sockets
                            # buffer the rest
-STALL_SECONDS = 30.0        # /healthz fails when the loop has not turned for this long
-MAX_LAG_SECONDS = 10.0      # ... or when an event has waited this long for the loop to take it
 FS_TURN_SECONDS = 0.05      # loop wait with a filesystem source (see Agent.serve)
 
 
@@ -57,159 +56,6 @@ def pid_alive(node: str, pid: int) -> bool:
     pid against the kernel's peer credentials and the agent stamps its own node name on every
     hook event (Agent.hook_batch), so each writer is a process of this node's pid namespace."""
     return psutil.pid_exists(pid)
-
-
-class Checks:
-    """Verification of finished checkpoints, driven from the loop's thread (monitor.verify.worker).
-
-    A path is verified once it has been quiet for `verify.quiet` seconds after its last write:
-    after a collision that is when the last writer is done and the damage is final.
-    """
-
-    def __init__(self, config: Config, clock=time.monotonic):
-        self.enabled = config.verify_enabled
-        self.schedule = VerifySchedule(quiet=config.verify_quiet,
-                                       max_paths=config.collision_max_paths)
-        self.verifier = Verifier(deep_max_bytes=config.verify_deep_max_bytes,
-                                 max_rate=config.verify_max_rate or None)
-        self._clock = clock
-
-    def start(self) -> None:
-        if self.enabled:
-            self.verifier.start()
-
-    def stop(self) -> None:
-        self.verifier.stop()
-
-    def write_started(self, path: str, sender=None, watched: bool = False) -> None:
-        """A write began: reported by a hook whose connection's rights are `sender`
-        (monitor.sender.Sender; None: nobody's, so it is not read on its behalf), or seen by
-        the agent's own watcher under a watched root (`watched`; see VerifySchedule)."""
-        if self.enabled:
-            self.schedule.write_started(path, self._clock(), sender, watched=watched)
-
-    def writer_seen(self, path: str, sender) -> None:
-        """A hook reported a write of `path` (its end): it may be read with `sender`'s
-        rights, as after write_started, without making the path busy again."""
-        if self.enabled and sender is not None:
-            self.schedule.note_sender(path, sender)
-
-    def write_finished(self, write: Write) -> None:
-        if self.enabled and write.outcome == "ok":
-            self.schedule.write_finished(write.path, write.writer.job_label, self._clock(),
-                                         watched=write.source == SOURCE_FS)
-            self.schedule.note_run(write.path, write.writer.run_key)   # for set checks
-
-    def file_closed(self, path: str) -> None:
-        """The watcher saw a write to `path` finish (any writer, attributed or not)."""
-        if self.enabled:
-            self.schedule.write_finished(path, "", self._clock(), watched=True)
-
-    def collided(self, c: Collision) -> None:
-        if self.enabled:
-            self.schedule.collided(c.path, c.id, self._clock())
-
-    def tick(self) -> list[Verification]:
-        """Hand due paths to the worker; return the verifications it finished since."""
-        if not self.enabled:
-            return []
-        now = self._clock()
-        for path, job, collision_id, readers in self.schedule.due(now):
-            self.verifier.submit(path, job, collision_id, readers)
-        for directory, runs in self.schedule.due_sets(now):       # checkpoint sets
-            self.verifier.submit_set(directory, runs)
-        results = self.verifier.drain()
-        self.schedule.verified(results, now)
-        return results
-
-    def pending(self) -> int:
-        """Verifications still to come: scheduled, queued or being read (after tick())."""
-        return self.schedule.pending() + self.verifier.outstanding if self.enabled else 0
-
-
-def health_check(ingest: IngestServer, heartbeat: list[float], fs: FsSource | None = None,
-                 inbox: "Inbox | None" = None, max_lag: float = MAX_LAG_SECONDS,
-                 clock=time.monotonic):
-    """/healthz: unhealthy when a source's thread died, the core loop stopped turning, or it
-    turns but is behind: the oldest event waiting for it has waited more than max_lag
-    (a loop that keeps up takes every batch within a tick)."""
-    def health() -> tuple[bool, str]:
-        if not ingest.alive:
-            return False, "ingest thread is not running"
-        if not ingest.socket_intact():
-            return False, f"socket {ingest.path} was removed or replaced since the agent bound it"
-        if fs is not None and not fs.alive:
-            return False, "filesystem attribution thread is not running"
-        if clock() - heartbeat[0] > STALL_SECONDS:
-            return False, "agent loop stalled"
-        if inbox is not None:
-            lag = inbox.oldest_wait()
-            if lag > max_lag:
-                return False, (f"agent loop behind: oldest queued event waited {lag:.1f}s "
-                               f"({inbox.backlog()} queued)")
-        return True, ""
-    return health
-
-
-class Inbox:
-    """Event batches from the ingest thread to the loop, with a count for back-pressure and
-    the time each batch was queued, so health can tell a loop that is behind."""
-
-    def __init__(self, clock=time.monotonic):
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._lock = threading.Lock()
-        self._pending = 0
-        self._clock = clock
-        self._queued_at: deque = deque()    # one time per batch, in queue order
-        self._taken = 0                     # batches taken by the loop so far
-        self._finished = 0                  # of those, batches the loop has finished
-
-    def put(self, batch: list) -> None:
-        with self._lock:
-            self._pending += len(batch)
-            self._queued_at.append(self._clock())
-            self._queue.put(batch)          # under the lock: times stay in queue order
-
-    def backlog(self) -> int:
-        """Events waiting for the loop."""
-        return self._pending
-
-    def oldest_wait(self) -> float:
-        """Seconds the oldest batch still queued has waited (0 when none is)."""
-        try:
-            return max(0.0, self._clock() - self._queued_at[0])
-        except IndexError:
-            return 0.0
-
-    def take(self, timeout: float) -> list[dict]:
-        """Up to about BATCH events; waits up to `timeout` for the first batch."""
-        try:
-            batch = list(self._queue.get(timeout=timeout)) if timeout else \
-                list(self._queue.get_nowait())
-        except queue.Empty:
-            return []
-        taken = 1
-        while len(batch) < BATCH:
-            try:
-                batch.extend(self._queue.get_nowait())
-            except queue.Empty:
-                break
-            taken += 1
-        with self._lock:
-            self._pending -= len(batch)
-            for _ in range(taken):
-                self._queued_at.popleft()
-        self._taken += taken
-        return batch
-
-    def done(self) -> None:
-        """The loop has finished everything it took (see finished())."""
-        self._finished = self._taken
-
-    def finished(self) -> int:
-        """Batches put and finished by the loop: ingest acknowledges their frames to the
-        hooks (monitor.ingest, "Acknowledgements"). Batches are numbered in put order."""
-        return self._finished
 
 
 def _install_signal_handlers(stop: threading.Event) -> dict:
@@ -287,7 +133,9 @@ class Agent:
         exporters = Fanout([MetricsExporter(state),
                             JournalExporter(journal),
                             LogExporter()])
-        agent = cls(config, state, inbox, ingest, detector, Checks(config), sizes, exporters,
+        agent = cls(config, state, inbox, ingest, detector, Checks(config.verify_enabled, config.verify_quiet,
+                                       config.collision_max_paths, config.verify_deep_max_bytes,
+                                       config.verify_max_rate), sizes, exporters,
                     server, merger, fs, heartbeat, fs_inbox)
         agent.journal = journal      # its loss counters are read each tick for the metrics
         return agent
@@ -372,13 +220,16 @@ class Agent:
             if isinstance(item, Write):
                 self.exporters.publish_write(item)
                 if not self._stopping:
-                    self.checks.write_finished(item)
+                    if item.outcome == "ok":
+                        self.checks.write_finished(item.path, item.writer.job_label,
+                                                   item.writer.run_key,
+                                                   item.source == SOURCE_FS)
                     finding = self.sizes.finished(item)
                     if finding is not None:
                         self.exporters.publish_finding(finding)
             elif isinstance(item, Collision):
                 if not self._stopping:
-                    self.checks.collided(item)
+                    self.checks.collided(item.path, item.id)
                 self.exporters.publish_collision(item)
                 self.notify(item.to_record())
             elif isinstance(item, Finding):
@@ -388,7 +239,7 @@ class Agent:
 
     def notify(self, record: dict) -> None:
         """Tell the local writers of a collision or hazard record, on their open connections
-        that asked for it (the warn policy: monitor.notices, ingest.notify)."""
+        that asked for it (the warn policy: monitor.ingest.notices, ingest.notify)."""
         try:
             for pid, frame in notices_for(record, self.config.node):
                 self.ingest.notify(pid, frame)
@@ -415,9 +266,9 @@ class Agent:
             # ckptwatch/emitter.py): it names the path and its writer's rights as a start does.
             if not self._stopping:
                 if kind == "start":
-                    self.checks.write_started(event["path"], event.get(SENDER))
+                    self.checks.write_started(event["path"], event.get(RIGHTS))
                 elif not self.detector.is_open(node, event["pid"], event["seq"]):
-                    self.checks.writer_seen(event["path"], event.get(SENDER))
+                    self.checks.writer_seen(event["path"], event.get(RIGHTS))
             if fs is not None:
                 fs.add_path(event["path"])
             if merger is not None:
@@ -425,7 +276,7 @@ class Agent:
             self.observe(event)
 
     def job_scope_event(self, event: dict) -> None:
-        """remote / hazard / jobscope events (monitor.jobscope)."""
+        """remote / hazard / jobscope events (monitor.agent.jobreports)."""
         kind = event["type"]
         if kind == "remote":
             self.job_scope.remote_received += 1
@@ -564,7 +415,7 @@ def run(config: Config, stop: threading.Event | None = None) -> int:
 def main(argv: list[str] | None = None) -> int:
     """`ckptwatch agent` and `python agent.py`: parse flags (exit 2 on invalid configuration,
     every error listed) and run."""
-    from monitor import config
+    from monitor.agent import config
 
     try:
         cfg = config.load(argv)

@@ -7,7 +7,7 @@ and walked each of those objects several times, ~15 % of the agent's CPU, for ga
 reference counting frees anyway (events and writes hold no cycles).
 
 So the agent, and only the agent process (main(); not a test or a library importing
-monitor.daemon), collects after GEN0_THRESHOLD net allocations instead, and moves what exists
+monitor.agent.daemon), collects after GEN0_THRESHOLD net allocations instead, and moves what exists
 once it has started (modules, configuration) out of the collector's sight with gc.freeze(). The
 collector still runs: cyclic garbage waiting for it is bounded by the thresholds (tens of
 thousands of objects, a few MB at most), whatever the input.

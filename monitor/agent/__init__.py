@@ -1,0 +1,1 @@
+"""The daemon: the Agent object and its loop, configuration, logging, job-scope reports."""
