@@ -20,7 +20,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.join(REPO, "tests"))
 
-from exporters.prometheus import MetricsServer, MetricsState, build_registry  # noqa: E402
+from exporters.metrics.collector import build_registry  # noqa: E402
+from exporters.metrics.server import MetricsServer  # noqa: E402
+from exporters.metrics.state import MetricsState  # noqa: E402
 from test_prometheus_limits import flood  # noqa: E402
 
 

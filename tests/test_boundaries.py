@@ -41,3 +41,12 @@ def test_ckptwatch_imports_only_the_standard_library():
     not_stdlib = sorted(m for m in outside
                         if m not in sys.stdlib_module_names and m != "__future__")
     assert not_stdlib == [], f"ckptwatch imports non-stdlib modules: {not_stdlib}"
+
+
+def test_exporters_reach_no_monitor_module_but_the_model():
+    # The contract ignores the edges to monitor.detect.model; this sees through them: nothing
+    # the exporters import, directly or through the model, is another module of monitor.
+    graph = grimp.build_graph("exporters", "monitor", "ckptwatch")
+    reached = graph.find_upstream_modules("exporters", as_package=True)
+    of_monitor = sorted(m for m in reached if m == "monitor" or m.startswith("monitor."))
+    assert of_monitor == ["monitor.detect.model"], of_monitor

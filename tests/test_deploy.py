@@ -9,11 +9,14 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from types import SimpleNamespace
 
 import pytest
 import yaml
 
-from exporters.prometheus import build_registry, MetricsState
+from exporters.metrics import components
+from exporters.metrics.collector import build_registry
+from exporters.metrics.state import MetricsState
 from helpers import REPO_ROOT
 from monitor.detect.model import KIND_CONCURRENT, Collision, Write, Writer
 
@@ -125,8 +128,11 @@ def test_metric_name_extraction():
 
 @pytest.fixture(scope="module")
 def exported_names():
-    """Every sample name a real collector exports after one write and one collision."""
-    state = MetricsState()
+    """Every sample name the real collectors export after one write and one collision, each
+    component's collector reading a stand-in with that component's attributes."""
+    from monitor.verify.integrity import CAUSES
+    from monitor.verify.worker import RESULTS
+    state = MetricsState(verify_results=RESULTS, corrupt_causes=CAUSES)
     writes = tuple(
         Write(writer=Writer(node="n", pid=10 + r, rank=r, job="j"), path="/c/x.pt", seq=1,
               start_wall=1.0, start_mono=1.0 + r / 10, end_wall=2.0, end_mono=2.0, bytes=10,
@@ -142,10 +148,23 @@ def exported_names():
     state.set_active_writes({"j": 1})
     state.finding("size_fluctuation", "j")
     state.finding("torn_read", "j")
-    state.set_fs_stats({"events_lost": 0, "fallbacks": 0, "attributions": 1,
-                        "attribution_seconds": 0.1, "attribution_errors": 0,
-                        "roots": {"/ckpt": {"mode": "inotify", "state": "watching"}}})
-    names = {s.name for family in build_registry(state).collect() for s in family.samples}
+    fs_stats = {"events_lost": 0, "fallbacks": 0, "attributions": 1,
+                "attribution_seconds": 0.1, "attribution_errors": 0,
+                "roots": {"/ckpt": {"mode": "inotify", "state": "watching"}}}
+    registry = build_registry(
+        state,
+        components.IngestCollector(SimpleNamespace(connections=1, refused={"pid_limit": 0},
+                                                   evicted={"make_room": 0})),
+        components.DetectorCollector(SimpleNamespace(
+            tracked_paths=1, evicted_paths_total=0, refused_starts={"open_limit": 0},
+            remote_rejected={"unanchored": 0})),
+        components.JobScopeCollector(SimpleNamespace(remote_received=0)),
+        components.ChecksCollector(SimpleNamespace(pending=lambda: 0)),
+        components.JournalCollector(SimpleNamespace(errors=0, records_lost=0)),
+        components.LoopCollector(SimpleNamespace(oldest_wait=lambda: 0.0)),
+        components.HttpCollector(SimpleNamespace(drops=lambda: {"timeout": 0})),
+        components.FsCollector(SimpleNamespace(stats=lambda: fs_stats)))
+    names = {s.name for family in registry.collect() for s in family.samples}
     assert "ckptwatch_write_duration_seconds_bucket" in names
     return names
 

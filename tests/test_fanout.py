@@ -3,7 +3,8 @@ import logging
 
 from exporters.fanout import Fanout
 from exporters.journal import Journal, JournalExporter, read_records
-from exporters.prometheus import MetricsExporter, MetricsState
+from exporters.metrics.exporter import MetricsExporter
+from exporters.metrics.state import MetricsState
 from monitor.detect.model import Collision, Finding, Write, Writer
 
 

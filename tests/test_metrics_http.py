@@ -8,7 +8,9 @@ import urllib.request
 
 import pytest
 
-from exporters.prometheus import MetricsServer, MetricsState, build_registry
+from exporters.metrics.collector import build_registry
+from exporters.metrics.server import MetricsServer
+from exporters.metrics.state import MetricsState
 
 
 @pytest.fixture

@@ -11,7 +11,9 @@ import ssl
 import pytest
 
 from exporters import webconfig
-from exporters.prometheus import MetricsServer, MetricsState, build_registry
+from exporters.metrics.collector import build_registry
+from exporters.metrics.server import MetricsServer
+from exporters.metrics.state import MetricsState
 from helpers import wait_for
 from prom import start_prometheus, wait_for_query
 from tlsfiles import bcrypt_hash, make_pki, write_web_config

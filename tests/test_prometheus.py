@@ -1,4 +1,4 @@
-"""exporters/prometheus.py: every metric from a fresh registry, a real HTTP server, promtool."""
+"""exporters/metrics/: every metric from a fresh registry, a real HTTP server, promtool."""
 from __future__ import annotations
 
 import shutil
@@ -6,6 +6,7 @@ import subprocess
 import threading
 import urllib.error
 import urllib.request
+from types import SimpleNamespace
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -13,8 +14,12 @@ from prometheus_client.openmetrics.parser import \
     text_string_to_metric_families as openmetrics_families
 from prometheus_client.parser import text_string_to_metric_families
 
-from exporters.prometheus import (DURATION_BUCKETS, MetricsServer, MetricsState,
-                                  build_registry, parse_listen_address)
+from exporters.metrics.collector import build_registry
+from exporters.metrics.components import (DetectorCollector, FsCollector, IngestCollector,
+                                          JournalCollector)
+from exporters.metrics.listen import parse_listen_address
+from exporters.metrics.server import MetricsServer
+from exporters.metrics.state import DURATION_BUCKETS, MetricsState
 from ckptwatch.events import REJECT_REASONS
 from monitor.detect.model import KIND_CONCURRENT, KIND_REDUNDANT, Collision, Write, Writer
 from ckptwatch.version import __version__
@@ -110,7 +115,10 @@ def test_collision_between_two_jobs_uses_the_collision_job_label(state):
 
 
 def test_ingest_counters_rejects_prepopulated(state):
-    reg = build_registry(state)
+    # The ingest server's own counters, read when scraped (an IngestServer's attributes).
+    ingest = SimpleNamespace(connections=0, refused={"pid_limit": 0, "uid_limit": 0},
+                             evicted={"make_room": 0})
+    reg = build_registry(state, IngestCollector(ingest))
     for reason in REJECT_REASONS:
         assert value(reg, "ckptwatch_events_rejected_total", reason=reason) == 0
     assert value(reg, "ckptwatch_events_received_total") == 0
@@ -120,28 +128,31 @@ def test_ingest_counters_rejects_prepopulated(state):
     state.event_rejected("pid_mismatch")
     state.event_rejected("malformed", 3)
     state.client_dropped(7)
-    state.set_ingest_connections(3)
+    ingest.connections = 3
     assert value(reg, "ckptwatch_events_received_total") == 5
     assert value(reg, "ckptwatch_events_rejected_total", reason="pid_mismatch") == 1
     assert value(reg, "ckptwatch_events_rejected_total", reason="malformed") == 3
     assert value(reg, "ckptwatch_client_events_dropped_total") == 7
     assert value(reg, "ckptwatch_ingest_connections") == 3
-    state.set_ingest_limits({"pid_limit": 5, "uid_limit": 0}, {"make_room": 2})
+    ingest.refused, ingest.evicted = {"pid_limit": 5, "uid_limit": 0}, {"make_room": 2}
     assert value(reg, "ckptwatch_ingest_connections_refused_total", reason="pid_limit") == 5
     assert value(reg, "ckptwatch_ingest_connections_refused_total", reason="uid_limit") == 0
     assert value(reg, "ckptwatch_ingest_connections_evicted_total", reason="make_room") == 2
 
 
 def test_gauges_reflect_current_state_only(state):
-    reg = build_registry(state)
+    detector = SimpleNamespace(tracked_paths=0, evicted_paths_total=0, refused_starts={},
+                               remote_rejected={})
+    journal = SimpleNamespace(errors=0, records_lost=0)
+    reg = build_registry(state, DetectorCollector(detector), JournalCollector(journal))
     state.set_active_writes({"job-a": 3, "job-b": 1})
     assert value(reg, "ckptwatch_active_writes", training_job="job-a") == 3
     state.set_active_writes({"job-b": 2})
     # Built fresh on every scrape: a job with no writes in flight disappears.
     assert value(reg, "ckptwatch_active_writes", training_job="job-a") is None
     assert value(reg, "ckptwatch_active_writes", training_job="job-b") == 2
-    state.set_detector_stats(tracked_paths=12, evicted_paths_total=4)
-    state.set_journal_stats(errors=3, records_lost=40)
+    detector.tracked_paths, detector.evicted_paths_total = 12, 4
+    journal.errors, journal.records_lost = 3, 40
     assert value(reg, "ckptwatch_tracked_paths") == 12
     assert value(reg, "ckptwatch_tracked_paths_evicted_total") == 4
     assert value(reg, "ckptwatch_journal_errors_total") == 3
@@ -392,11 +403,11 @@ def test_filesystem_findings_and_source_stats(state):
     state.finding("size_fluctuation", "job-a")
     state.finding("torn_read", "job-a")
     state.finding("torn_read", "job-a")
-    state.set_fs_stats({"events_lost": 2, "fallbacks": 1, "attributions": 5,
-                        "attribution_seconds": 0.25, "attribution_errors": 0,
-                        "roots": {"/ckpt": {"mode": "polling", "state": "watching"},
-                                  "/gone": {"mode": "inotify", "state": "missing"}}})
-    reg = build_registry(state)
+    stats = {"events_lost": 2, "fallbacks": 1, "attributions": 5,
+             "attribution_seconds": 0.25, "attribution_errors": 0,
+             "roots": {"/ckpt": {"mode": "polling", "state": "watching"},
+                       "/gone": {"mode": "inotify", "state": "missing"}}}
+    reg = build_registry(state, FsCollector(SimpleNamespace(stats=lambda: stats)))
     assert value(reg, "ckptwatch_size_fluctuations_total", training_job="job-a") == 1
     assert value(reg, "ckptwatch_torn_reads_total", training_job="job-a") == 2
     assert value(reg, "ckptwatch_fs_events_lost_total") == 2

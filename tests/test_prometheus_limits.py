@@ -1,4 +1,4 @@
-"""Hostile label values: exporters/prometheus.py under 20,000 distinct training_job and rank
+"""Hostile label values: exporters/metrics/ under 20,000 distinct training_job and rank
 values (issue 8, defect 4), job expiry with an injected clock, and gzip over real HTTP."""
 from __future__ import annotations
 
@@ -10,7 +10,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from exporters.labels import OVERFLOW, LabelLimits
-from exporters.prometheus import MetricsServer, MetricsState, build_registry
+from exporters.metrics.collector import build_registry
+from exporters.metrics.server import MetricsServer
+from exporters.metrics.state import MetricsState
 from monitor.detect.model import KIND_CONCURRENT, Collision, Write, Writer
 
 # 200 times the job cap and 20 times the (job, rank) cap (LabelLimits): past the caps every

@@ -6,7 +6,9 @@ import time
 
 import pytest
 
-from exporters.prometheus import MetricsServer, MetricsState, build_registry
+from exporters.metrics.collector import build_registry
+from exporters.metrics.server import MetricsServer
+from exporters.metrics.state import MetricsState
 from helpers import REPO_ROOT
 from monitor.detect.model import KIND_CONCURRENT, Collision, Write, Writer
 from prom import start_prometheus, wait_for_query

@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 from exporters.journal import default_journal_path
 from exporters.labels import MIN_VALUE_LENGTH, LabelLimits
-from exporters.prometheus import parse_listen_address
+from exporters.metrics.listen import parse_listen_address
 from exporters.webconfig import WebConfig, WebConfigError
 from exporters import webconfig
 from ckptwatch.version import __version__

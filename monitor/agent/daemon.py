@@ -24,7 +24,13 @@ from exporters.fanout import Fanout
 from exporters.health import health_check
 from exporters.journal import Journal, JournalError, JournalExporter
 from exporters.logline import LogExporter
-from exporters.prometheus import MetricsExporter, MetricsServer, MetricsState, build_registry
+from exporters.metrics.collector import build_registry
+from exporters.metrics.components import (ChecksCollector, DetectorCollector, FsCollector,
+                                          HttpCollector, IngestCollector, JobScopeCollector,
+                                          JournalCollector, LoopCollector)
+from exporters.metrics.exporter import MetricsExporter
+from exporters.metrics.server import MetricsServer
+from exporters.metrics.state import MetricsState
 from monitor.agent import gcpolicy, logformat
 from monitor.agent.config import Config
 from monitor.agent.jobreports import JobScopeEvents
@@ -38,6 +44,8 @@ from monitor.ingest.notices import notices_for
 from monitor.ingest.server import RIGHTS, IngestError, IngestServer
 from monitor.verify import crc
 from monitor.verify.checks import Checks
+from monitor.verify.integrity import CAUSES as CORRUPT_CAUSES
+from monitor.verify.worker import RESULTS as VERIFY_RESULTS
 from monitor.verify.worker import Verification
 
 log = logging.getLogger("ckptwatch.agent")
@@ -81,7 +89,8 @@ class Agent:
                  ingest: IngestServer, detector: Detector, checks: Checks, sizes: SizeHistory,
                  exporters: Fanout, server: MetricsServer, merger: SourceMerger | None = None,
                  fs: FsSource | None = None, heartbeat: list[float] | None = None,
-                 fs_inbox: queue.SimpleQueue | None = None):
+                 fs_inbox: queue.SimpleQueue | None = None,
+                 job_scope: JobScopeEvents | None = None):
         self.config, self.state, self.inbox, self.ingest = config, state, inbox, ingest
         self.detector, self.checks, self.sizes = detector, checks, sizes
         self.exporters, self.server, self.merger, self.fs = exporters, server, merger, fs
@@ -89,13 +98,14 @@ class Agent:
         self.fs_inbox = fs_inbox if fs_inbox is not None else queue.SimpleQueue()
         self._stopping = False
         self.journal: Journal | None = None
-        self.job_scope = JobScopeEvents()
+        self.job_scope = job_scope if job_scope is not None else JobScopeEvents()
 
     @classmethod
     def build(cls, config: Config) -> "Agent":
         """Construct every part; nothing listens or runs yet. Raises StartError when the
         journal cannot be opened."""
-        state = MetricsState(limits=config.label_limits())
+        state = MetricsState(limits=config.label_limits(), verify_results=VERIFY_RESULTS,
+                             corrupt_causes=CORRUPT_CAUSES)
         inbox = Inbox()
         fs_inbox: queue.SimpleQueue = queue.SimpleQueue()
         heartbeat = [time.monotonic()]
@@ -120,24 +130,31 @@ class Agent:
             fs = FsSource(config.watch_paths, config.watch_patterns, config.watch_mode,
                           config.watch_poll_interval, config.node, fs_inbox.put,
                           attribution=config.watch_attribution)
-        server = MetricsServer(config.listen_address, build_registry(state),
-                               health=health_check(ingest, heartbeat, fs, inbox),
-                               on_dropped=state.http_connection_dropped,
-                               web_config=config.web_config,
-                               telemetry_path=config.telemetry_path)
         try:
             journal = Journal(config.journal_path, config.journal_max_bytes,
                               config.journal_backups, buffered=True)
         except JournalError as exc:
             raise StartError(exc.strerror) from exc     # names the path and the reason
+        checks = Checks(config.verify_enabled, config.verify_quiet, config.collision_max_paths,
+                        config.verify_deep_max_bytes, config.verify_max_rate)
+        job_scope = JobScopeEvents()
+        # Each component's metrics are read from it when scraped (exporters.metrics.
+        # components); the state holds only what was published to it.
+        registry = build_registry(state, IngestCollector(ingest), DetectorCollector(detector),
+                                  JobScopeCollector(job_scope), ChecksCollector(checks),
+                                  JournalCollector(journal), LoopCollector(inbox),
+                                  *([FsCollector(fs)] if fs is not None else []))
+        server = MetricsServer(config.listen_address, registry,
+                               health=health_check(ingest, heartbeat, fs, inbox),
+                               web_config=config.web_config,
+                               telemetry_path=config.telemetry_path)
+        registry.register(HttpCollector(server))
         exporters = Fanout([MetricsExporter(state),
                             JournalExporter(journal),
                             LogExporter()])
-        agent = cls(config, state, inbox, ingest, detector, Checks(config.verify_enabled, config.verify_quiet,
-                                       config.collision_max_paths, config.verify_deep_max_bytes,
-                                       config.verify_max_rate), sizes, exporters,
-                    server, merger, fs, heartbeat, fs_inbox)
-        agent.journal = journal      # its loss counters are read each tick for the metrics
+        agent = cls(config, state, inbox, ingest, detector, checks, sizes, exporters,
+                    server, merger, fs, heartbeat, fs_inbox, job_scope)
+        agent.journal = journal
         return agent
 
     # ------------------------------------------------------------------ lifecycle
@@ -352,22 +369,8 @@ class Agent:
         self.publish(items)
         for v in self.checks.tick():
             self.exporters.publish_finding(verification_finding(v))
-        self.state.set_verifications_pending(self.checks.pending())
         self.state.set_active_writes(self.detector.active_writes())
-        self.state.set_detector_stats(self.detector.tracked_paths,
-                                      self.detector.evicted_paths_total)
-        self.state.set_detector_limits(self.detector.open_writes,
-                                       self.detector.refused_starts)
-        self.state.set_loop_lag(self.inbox.oldest_wait())
-        self.state.set_ingest_connections(self.ingest.connections)
-        self.state.set_ingest_limits(self.ingest.refused, self.ingest.evicted)
-        self.state.set_remote_stats(self.job_scope.remote_received,
-                                    self.detector.remote_rejected)
-        if self.fs is not None:
-            self.state.set_fs_stats(self.fs.stats())
         self.exporters.flush()
-        if self.journal is not None:
-            self.state.set_journal_stats(self.journal.errors, self.journal.records_lost)
 
     def drain(self) -> None:
         """Hand on every event still queued (at shutdown)."""

@@ -211,7 +211,7 @@ class AgentProcess:
 
     def idle(self) -> bool:
         """One look at whether the agent holds nothing of anyone's: no hook connected, no
-        event queued, no write in flight, no verification to come (its last tick's view)."""
+        event queued, no write in flight, no verification to come (as read by the scrape)."""
         sums = self.metrics()
         return (sums.get("ckptwatch_ingest_connections", 0) == 0
                 and sums.get("ckptwatch_loop_lag_seconds", 0) == 0

@@ -248,10 +248,16 @@ class VerifySchedule:
     def pending(self) -> int:
         """Paths and sets due at a known time: quiet now, verified once `quiet` has passed.
         (A path whose new write has not ended is not counted: it waits on the write, which
-        ckptwatch_active_writes shows.)"""
-        return (sum(1 for e in self._due.values() if e.at != float("inf"))
-                + sum(1 for e in self._due_watched.values() if e.at != float("inf"))
-                + sum(1 for at in self._sets.values() if at != float("inf")))
+        ckptwatch_active_writes shows.)
+
+        Safe to call from a metrics scrape while the loop changes the schedule: each table is
+        copied by one C call (list(...), which no other Python thread can interleave with
+        under the GIL) before it is counted in Python."""
+        due, watched, sets = (list(self._due.values()), list(self._due_watched.values()),
+                              list(self._sets.values()))
+        return (sum(1 for e in due if e.at != float("inf"))
+                + sum(1 for e in watched if e.at != float("inf"))
+                + sum(1 for at in sets if at != float("inf")))
 
 
 class Verifier:
