@@ -10,7 +10,7 @@ import time
 import pytest
 
 from ckptwatch import events
-from monitor.ingest.server import server
+from monitor.ingest import server as ingest
 from monitor.ingest.server import IngestServer
 from test_ingest import Recorder, connect, start_event
 from helpers import wait_for
@@ -40,8 +40,8 @@ def consumer():
 
 @pytest.fixture
 def server(sockdir, consumer, no_thread_leak):
-    srv = IngestServer(os.path.join(sockdir, "agent.sock"), None, consumer.on_reject,
-                       on_events=consumer.on_events, processed=consumer.processed)
+    srv = IngestServer(os.path.join(sockdir, "agent.sock"), consumer.on_events,
+                       consumer.on_reject, processed=consumer.processed)
     srv.start()
     yield srv
     srv.stop()

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from ckptwatch import events
-from monitor.ingest.server import server
+from monitor.ingest import server as ingest
 from monitor.ingest.server import IngestServer
 from test_ingest import Recorder, connect, start_event
 from helpers import wait_for
@@ -18,7 +18,7 @@ from helpers import wait_for
 @pytest.fixture
 def server(sockdir, no_thread_leak):
     rec = Recorder()
-    srv = IngestServer(os.path.join(sockdir, "agent.sock"), rec.on_event, rec.on_reject)
+    srv = IngestServer(os.path.join(sockdir, "agent.sock"), rec.on_events, rec.on_reject)
     srv.start()
     srv.rec = rec
     yield srv
