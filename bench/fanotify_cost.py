@@ -3,7 +3,7 @@
     python bench/fanotify_cost.py [--files 6000] [--rounds 5]   (root: fanotify needs it)
 
 A mount mark reports every open, write and close on the mount, and the agent reads and drops
-the events for files outside its watched roots (monitor/fanotify.py). Side by side in one run:
+the events for files outside its watched roots (monitor/fs/fanotify.py). Side by side in one run:
 
   1. the cost, in the generating process, of what makes the events: create and write a small
      file, then open and read it back (the kernel merges these into as few as one event per

@@ -72,7 +72,7 @@ def ingest_only(args, ctx) -> int:
             if count[0] >= total:
                 done.set()
     path = os.path.join(tempfile.mkdtemp(prefix="cwb", dir="/tmp"), "ingest.sock")
-    server = IngestServer(path, None, lambda reason: None, on_events=on_events)
+    server = IngestServer(path, on_events, lambda reason: None)
     server.start()
     try:
         go = ctx.Event()

@@ -27,9 +27,10 @@ import zlib
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from monitor.verify import crc
-from monitor.verify import integrity# noqa: E402
-from monitor.verify.integrity import CHUNK, OK, verify  # noqa: E402
+from monitor.verify import crc  # noqa: E402
+from monitor.verify import torchzip  # noqa: E402
+from monitor.verify.integrity import OK, verify  # noqa: E402
+from monitor.verify.torchzip import CHUNK  # noqa: E402
 
 
 def make_checkpoint(path: str, size_mib: int) -> None:
@@ -73,12 +74,12 @@ def plain_read(path: str) -> int:
 
 def stdlib_deep(path: str):
     """The deep check as it runs without ckptwatch[fast]: the same code, zlib's CRC32."""
-    saved = integrity.crc32
-    integrity.crc32 = zlib.crc32
+    saved = torchzip.crc32
+    torchzip.crc32 = zlib.crc32
     try:
         return verify(path, deep=True)
     finally:
-        integrity.crc32 = saved
+        torchzip.crc32 = saved
 
 
 def main(argv=None) -> int:

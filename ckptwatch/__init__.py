@@ -22,9 +22,10 @@ def __getattr__(name):
 
 
 def install() -> bool:
-    """Patch torch.save (and torch.serialization.save). Idempotent. See ckptwatch.hook."""
-    from ckptwatch import hook
-    return hook.install()
+    """Patch torch.save (and torch.serialization.save) now, or as soon as torch is imported.
+    Idempotent. See ckptwatch.bootstrap and ckptwatch.hook."""
+    from ckptwatch import bootstrap
+    return bootstrap.install()
 
 
 def uninstall() -> bool:

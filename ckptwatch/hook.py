@@ -19,17 +19,19 @@ What is reported:
   file in a new NoCloseWriter per tensor), so they coalesce on the underlying file.
   The user's file is never flushed; `bytes` is f.tell() after the save (the position, which
   for a file opened for writing is what has been written so far). For a path target `bytes`
-  is the file's size when the sender thread builds the end event, normally within the 20 ms
-  batching delay after the save (off the save path: see _finish). For a DCP shard the
-  reported interval covers the first tensor's save only, not the whole shard.
+  is the file's size from one os.stat on the save path, right after the save returned (see
+  _finish). For a DCP shard the reported interval covers the first tensor's save only, not
+  the whole shard.
 - io.BytesIO and other objects without a usable name or file descriptor are not file writes and
   are not reported (counted as unreported).
 
 Choices and limits:
-- install() never imports torch. If torch is not imported yet it arranges (through the
-  bootstrap's post-import hook) for the patch to happen as soon as torch is imported, and
-  returns False; importing torch ourselves would make every Python process that merely imports
-  ckptwatch pay for torch. So `import ckptwatch; ckptwatch.install(); import torch` works.
+- install() never imports torch, and patches now or not at all: without torch imported it
+  returns False. Patching later, as soon as torch is imported, is the bootstrap's part
+  (ckptwatch/bootstrap: `ckptwatch.install()` and `ckptwatch run` go through it), so this
+  module never calls back into the bootstrap. Importing torch ourselves would make every
+  Python process that merely imports ckptwatch pay for torch. So `import ckptwatch;
+  ckptwatch.install(); import torch` works.
 - A name bound before the patch keeps the original: `from torch import save` executed before
   install() (or before torch was imported under the bootstrap hook's watch) is not reported.
   Patch early — `ckptwatch run` patches right after torch finishes importing — and rely on the
@@ -67,7 +69,6 @@ from ckptwatch.identity import identity
 
 MARKER = "__ckptwatch_original__"
 POLICY_ENV = "CKPTWATCH_POLICY"
-IMPLEMENTED_POLICIES = ("observe", "warn", "atomic")
 
 # The call site skips frames of this package (hook, emitter, bootstrap...): everything in it is
 # our machinery. Programs that ship with the agent (monitor/cli/demo_job.py) are user code.
@@ -165,21 +166,25 @@ def is_installed() -> bool:
     return False
 
 
+def torch_ready() -> bool:
+    """Is there something for install() to patch now: torch and torch.serialization imported,
+    with a callable torch.save?"""
+    torch = sys.modules.get("torch")
+    return (torch is not None and "torch.serialization" in sys.modules
+            and callable(getattr(torch, "save", None)))
+
+
 def install() -> bool:
     """Patch torch.save now; True if this call patched something.
 
     False when disabled (CKPTWATCH_DISABLE), when already installed, or when torch is not
-    imported yet — then the patch is applied by the post-import hook as soon as it is.
+    imported yet (see torch_ready(); the bootstrap is what patches later).
     """
     global _active, _torch_dir, _atomic
-    if paths.disabled():
+    if paths.disabled() or not torch_ready():
         return False
-    torch = sys.modules.get("torch")
-    serialization = sys.modules.get("torch.serialization")
-    if torch is None or serialization is None or not callable(getattr(torch, "save", None)):
-        from ckptwatch import bootstrap
-        bootstrap.watch_torch_import()
-        return False
+    torch = sys.modules["torch"]
+    serialization = sys.modules["torch.serialization"]
     with _install_lock:
         chosen = policy()       # read once, here, not on the save path
         if "atomic" in chosen:
@@ -188,8 +193,7 @@ def install() -> bool:
         else:
             _atomic = None
         if "warn" in chosen:
-            from ckptwatch import policy as _policy_mod
-            _policy_mod.enable()
+            _enable_warn()
         _torch_dir = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
         patched = False
         for module, attr in ((torch, "save"), (serialization, "save")):
@@ -204,6 +208,15 @@ def install() -> bool:
         was_active, _active = _active, True
         _start_jobscope()
         return patched or not was_active
+
+
+def _enable_warn() -> None:
+    # The warn policy (ckptwatch/policy.py): starts and ends say "this process reads notices",
+    # and the emitter's sender thread hands each notice it reads to the policy. Imported
+    # here, not at the top: ckptwatch.policy imports logging and warnings.
+    from ckptwatch import policy as _policy_mod
+    want_notices()
+    _emitter_mod.get_emitter().on_notice = _policy_mod.handle_notice
 
 
 def uninstall() -> bool:

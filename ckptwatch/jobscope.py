@@ -22,36 +22,17 @@ What runs where:
   Any failing or timed-out store operation (a slow or gone store) disables it too. Disabling is
   logged once, counted (stats()) and reported to the agent as a "jobscope" event.
 
-Keys (all under our prefix, never the job's): PREFIX = "ckptwatch/<run>" with run = a hash of
-(job id, MASTER_ADDR:MASTER_PORT when the job id is "none" or unknown, restart count), so an
-elastic restart is a new run and two static-rendezvous jobs never share keys.
-  PREFIX/t                  ticket counter: store.add(1) gives a job-wide order of events
-  PREFIX/<h>/<e>/n          slot counter of path hash h in epoch e (e = start wall // WINDOW)
-  PREFIX/<h>/<e>/<i>        slot i: one write's JSON record (written at start, again at end)
-A rank finds the others' writes of its path by reading the slot counter of the epochs around
-its write (a compare_set that does not create the key) and then only those slots: O(writers of
-that path), not O(keys). Deletion: each writer deletes its own slot DELETE_AFTER windows after
-its write ended; the writer of slot 1 deletes the epoch's counter once the epoch is three
-windows old; a reader deletes slots it finds more than two windows old (their writer exited).
-So the store holds keys for the writes of the last ~2 windows, whatever the number of saves.
-
-Overlap across nodes (design.md, "concurrent collision") is decided on store tickets, not on
-wall clocks: every start and end announcement takes a ticket from PREFIX/t, and the store
-serialises them, so A and B overlapped iff A.start_ticket < B.end_ticket and B.start_ticket <
-A.end_ticket. A ticket is taken when the thread announces, a thread wake-up and one round trip
-(~0.1-1 ms) after the save's real start or end: overlaps shorter than that may be judged
-one-after-another (a redundant write instead of a concurrent one; either is reported). Without
-both tickets (a start made before the connection), wall clocks decide as they are.
+The key scheme, the slot records and the overlap maths on store tickets are
+ckptwatch/jobkeys.py (pure); the hazard rules are ckptwatch/jobhazards.py (pure). This module is
+the thread around them: the queue, the store connection, the reads, the reports, the deletions.
 """
 from __future__ import annotations
 
 import atexit
 import collections
 import datetime
-import hashlib
 import heapq
 import importlib
-import json
 import logging
 import os
 import socket
@@ -60,8 +41,12 @@ import threading
 import time
 
 from ckptwatch import emitter as _emitter_mod
+from ckptwatch import jobhazards
 from ckptwatch.events import SCHEMA_VERSION
-from ckptwatch.sharedfs import SharedPaths, names_rank_or_node
+from ckptwatch.jobkeys import (counter_key, decode_record, encode_record, epoch, path_hash,
+                               related, remote_event, run_prefix, slot_key,
+                               slot_record, ticket_key)
+from ckptwatch.sharedfs import SharedPaths
 
 log = logging.getLogger("ckptwatch.jobscope")
 
@@ -84,10 +69,7 @@ MAX_WATCHED = 256           # own recent writes whose path is re-read for later 
 MAX_PENDING_DELETES = 100_000
 DELETE_AFTER = 2.0          # windows after a write's end before its slot is deleted
 POLL_FIRST, POLL_MAX, POLL_IN_FLIGHT = 0.2, 5.0, 0.2
-EPS = 1e-6
 _ABSENT = "\x00ckptwatch-absent"   # compare_set(key, X, X) returns X when key is absent
-HAZARD_LOCAL_RANK_GUARD = "local_rank_guard"
-HAZARD_SHARED_MULTI_WRITER = "shared_storage_multi_writer"
 
 STATE_CONNECTING, STATE_ACTIVE, STATE_DISABLED = "connecting", "active", "disabled"
 
@@ -98,52 +80,6 @@ def _env_float(environ, name: str, default: float) -> float:
     except (KeyError, ValueError):
         return default
     return value if value > 0 else default
-
-
-def run_prefix(ident: dict) -> str:
-    """ckptwatch/<16 hex>: one job run (job id + restart count; master too for job "none")."""
-    job = ident.get("job")
-    master = ident.get("master") if job in (None, "none") else None
-    run = f"{job}\0{master}\0{ident.get('restart')}"
-    return "ckptwatch/" + hashlib.sha1(run.encode("utf-8", "surrogatepass")).hexdigest()[:16]
-
-
-def path_hash(path: str) -> str:
-    return hashlib.sha1(path.encode("utf-8", "surrogatepass")).hexdigest()[:16]
-
-
-def place_remote(own: dict, remote: dict) -> tuple[float, float, bool | None]:
-    """A remote write's interval in this process's monotonic time base, and whether it
-    overlapped our write by the store's ticket order (None: tickets unknown, walls decide).
-
-    own: sw, sm (our start wall / mono), ew, em, ts, te; remote: sw, ew, ts, te. The walls are
-    mapped through our own wall-mono offset, then moved the least needed to agree with the
-    ticket order, so the agent's detector (which compares intervals) reaches the same verdict.
-    """
-    offset = own["sw"] - own["sm"]
-    rs = remote["sw"] - offset
-    re_ = max(remote["ew"] - offset, rs)
-    o_start, o_end = own["sm"], own["em"]
-    tickets = (own.get("ts"), own.get("te"), remote.get("ts"), remote.get("te"))
-    if any(type(t) is not int for t in tickets):
-        return rs, re_, None
-    o_ts, o_te, r_ts, r_te = tickets
-    overlap = r_ts < o_te and o_ts < r_te
-    walls_overlap = rs < o_end and o_start < re_
-    if overlap and not walls_overlap:
-        if rs >= o_end:
-            rs = o_end - EPS
-        if re_ <= o_start:
-            re_ = o_start + EPS
-        re_ = max(re_, rs)
-    elif not overlap and walls_overlap:
-        if r_ts > o_te:                 # the store saw it start after ours ended
-            rs = o_end + EPS
-            re_ = max(re_, rs)
-        else:                           # it ended before ours started
-            re_ = o_start - EPS
-            rs = min(rs, re_)
-    return rs, re_, overlap
 
 
 class _Own:
@@ -202,7 +138,7 @@ class JobScope:
         self._watch: list = []                       # heap (next_poll, seq)
         self._deletes: list = []                     # heap (due, order, seq or stale key)
         self._delete_order = 0
-        self._hazards_sent: set = set()
+        self._hazards = jobhazards.Reported()
         self._own_keys: set = set()                  # our live slot keys: never read back
         self.counters = {"announced": 0, "unannounced": 0, "dropped": 0, "remote_reported": 0,
                          "hazards": 0, "store_ops": 0, "store_bytes": 0, "errors": 0,
@@ -404,16 +340,9 @@ class JobScope:
 
     def _announce_start(self, pending) -> None:
         ident, seq, path, code, line, wall, mono = pending
-        own = _Own(seq, path, path_hash(path), int(wall // self.window))
+        own = _Own(seq, path, path_hash(path), epoch(wall, self.window))
         own.sm = mono
-        own.rec = {"node": ident["node"], "pid": ident["pid"], "rank": ident.get("rank"),
-                   "local_rank": ident.get("local_rank"), "world_size": ident.get("world_size"),
-                   "local_world_size": ident.get("local_world_size"),
-                   "node_rank": ident.get("node_rank"), "seq": seq, "path": path,
-                   "site": f"{code.co_filename}:{line}" if code is not None else None,
-                   "func": code.co_name if code is not None else None,
-                   "shared": None, "sw": wall, "ew": None, "ts": None, "te": None,
-                   "bytes": None, "outcome": None}
+        own.rec = slot_record(ident, seq, path, code, line, wall)
         if len(self._own) >= MAX_WATCHED * 16:
             self.counters["unannounced"] += 1
             return
@@ -421,12 +350,11 @@ class JobScope:
         if self._store is None:
             self.counters["unannounced"] += 1
             return
-        own.rec["ts"] = self._op("add", f"{self.prefix}/t", 1)
+        own.rec["ts"] = self._op("add", ticket_key(self.prefix), 1)
         own.rec["shared"] = self._shared.shared(path)
-        base = f"{self.prefix}/{own.h}/{own.epoch}"
-        own.slot = self._op("add", f"{base}/n", 1)
-        own.key = f"{base}/{own.slot}"
-        self._op("set", own.key, json.dumps(own.rec, separators=(",", ":")))
+        own.slot = self._op("add", counter_key(self.prefix, own.h, own.epoch), 1)
+        own.key = slot_key(self.prefix, own.h, own.epoch, own.slot)
+        self._op("set", own.key, encode_record(own.rec))
         self._own_keys.add(own.key)
         self.counters["announced"] += 1
 
@@ -452,8 +380,8 @@ class JobScope:
         if self._store is None or own.key is None:
             self._forget_later(own, wall)
             return
-        rec["te"] = self._op("add", f"{self.prefix}/t", 1)
-        self._op("set", own.key, json.dumps(rec, separators=(",", ":")))
+        rec["te"] = self._op("add", ticket_key(self.prefix), 1)
+        self._op("set", own.key, encode_record(rec))
         now = self._clock()
         own.until = now + self.window
         own.delay = POLL_FIRST
@@ -474,30 +402,17 @@ class JobScope:
     # ---- hazards --------------------------------------------------------------------------
 
     def _check_local_rank_guard(self, own: _Own) -> None:
-        """The `local_rank == 0` bug, from the first save: local rank 0 of a node other than
-        the first writes a shared path named after neither its rank nor its node. Needs no
-        store: every node's local rank 0 does the same, so they overwrite each other."""
         rec = own.rec
-        rank, local_rank = rec.get("rank"), rec.get("local_rank")
-        if (rec["shared"] and local_rank == 0 and rank not in (None, 0)
-                and not names_rank_or_node(own.path, rank, rec["node"])):
-            self._hazard(HAZARD_LOCAL_RANK_GUARD, own, [rank], [rec["node"]])
+        if jobhazards.local_rank_guard(rec, own.path):
+            self._hazard(jobhazards.HAZARD_LOCAL_RANK_GUARD, own, [rec.get("rank")],
+                         [rec["node"]])
 
     def _hazard(self, kind: str, own: _Own, ranks: list, nodes: list) -> None:
-        key = (kind, own.path)
-        if key in self._hazards_sent or len(self._hazards_sent) >= 4096:
+        if not self._hazards.first(kind, own.path):
             return
-        self._hazards_sent.add(key)
-        rec, ident = own.rec, self.ident
         self.counters["hazards"] += 1
-        self._emit({"v": SCHEMA_VERSION, "type": "hazard", "kind": kind, "node": rec["node"],
-                    "pid": rec["pid"], "seq": own.seq, "path": own.path,
-                    "rank": rec["rank"], "local_rank": rec["local_rank"],
-                    "world_size": rec["world_size"], "node_rank": rec["node_rank"],
-                    "job": ident.get("job"), "master": ident.get("master"),
-                    "restart": ident.get("restart"), "site": rec["site"], "func": rec["func"],
-                    "shared": rec["shared"], "ranks": sorted(set(ranks))[:64],
-                    "nodes": sorted(set(nodes))[:64], "wall": self._wall()})
+        self._emit(jobhazards.hazard_event(kind, own.rec, own.seq, own.path, self.ident, ranks,
+                                           nodes, self._wall()))
 
     # ---- reading other ranks' writes ------------------------------------------------------
 
@@ -536,15 +451,14 @@ class JobScope:
     def _read_path(self, own: _Own, now: float, force: bool = False) -> None:
         """Read the slots of our path around our write's epoch that are new since the last
         read (or were in flight then), other than our own; report what is new."""
-        base = f"{self.prefix}/{own.h}"
         keys = list(own.in_flight)
-        for epoch in (own.epoch - 1, own.epoch, own.epoch + 1):
-            raw = self._peek(f"{base}/{epoch}/n")
+        for epoch_ in (own.epoch - 1, own.epoch, own.epoch + 1):
+            raw = self._peek(counter_key(self.prefix, own.h, epoch_))
             count = int(raw) if raw is not None and raw.isdigit() else 0
-            first = max(own.read_upto.get(epoch, 0) + 1, count - MAX_SLOTS_READ + 1, 1)
-            own.read_upto[epoch] = max(count, own.read_upto.get(epoch, 0))
+            first = max(own.read_upto.get(epoch_, 0) + 1, count - MAX_SLOTS_READ + 1, 1)
+            own.read_upto[epoch_] = max(count, own.read_upto.get(epoch_, 0))
             for i in range(first, count + 1):
-                key = f"{base}/{epoch}/{i}"
+                key = slot_key(self.prefix, own.h, epoch_, i)
                 if key not in self._own_keys:
                     keys.append(key)
         if not keys:
@@ -564,7 +478,7 @@ class JobScope:
             if isinstance(ew, (int, float)) and wall_now - ew > DELETE_AFTER * self.window:
                 self._delete_one(0.0, key)               # its writer is gone: clean up
                 continue
-            if not self._related(own, rec):
+            if not related(own.rec, rec, self.window):
                 continue
             ranks.add(rec.get("rank"))
             nodes.add(rec.get("node"))
@@ -577,18 +491,10 @@ class JobScope:
                 continue            # a local writer: the agent hears it from its own hook
             self._report_remote(own, rec)
         own.shared = shared
-        known = {r for r in ranks if type(r) is int}
-        if shared and len(known) >= 2:
-            self._hazard(HAZARD_SHARED_MULTI_WRITER, own, list(known),
+        writers = jobhazards.shared_multi_writer(shared, ranks)
+        if writers is not None:
+            self._hazard(jobhazards.HAZARD_SHARED_MULTI_WRITER, own, writers,
                          [n for n in nodes if isinstance(n, str)])
-
-    def _related(self, own: _Own, rec: dict) -> bool:
-        sw, ew = rec.get("sw"), rec.get("ew")
-        if not isinstance(sw, (int, float)):
-            return False
-        end = ew if isinstance(ew, (int, float)) else sw
-        mine_start, mine_end = own.rec["sw"], own.rec["ew"] or own.rec["sw"]
-        return sw <= mine_end + self.window and end >= mine_start - self.window
 
     def _get_many(self, keys: list) -> list:
         """[(key, record)] of the keys that exist, each parsed and bounded."""
@@ -600,13 +506,8 @@ class JobScope:
             values = [self._peek(k) for k in keys]
         out = []
         for key, value in zip(keys, values):
-            if value is None or len(value) > 16384:
-                continue
-            try:
-                rec = json.loads(value)
-            except (ValueError, RecursionError):
-                continue
-            if isinstance(rec, dict):
+            rec = decode_record(value)
+            if rec is not None:
                 out.append((key, rec))
         return out
 
@@ -614,30 +515,12 @@ class JobScope:
         rkey = (rec.get("node"), rec.get("pid"), rec.get("seq"))
         if own.reported.get(rkey):
             return
-        if not (isinstance(rec.get("ew"), (int, float)) and isinstance(rec.get("sw"), (int, float))
-                and type(rec.get("pid")) is int and type(rec.get("seq")) is int
-                and isinstance(rec.get("node"), str)):
+        event = remote_event(own.rec, own.sm, own.em, rec, self.ident, self._wall())
+        if event is None:
             return
-        mine = {"sw": own.rec["sw"], "sm": own.sm, "ew": own.rec["ew"], "em": own.em,
-                "ts": own.rec["ts"], "te": own.rec["te"]}
-        start_mono, end_mono, overlap = place_remote(mine, rec)
         own.reported[rkey] = True
         self.counters["remote_reported"] += 1
-        ident = self.ident
-        writer = {name: rec.get(name) for name in ("node", "pid", "rank", "local_rank",
-                                                   "world_size", "local_world_size",
-                                                   "node_rank")}
-        writer.update(job=ident.get("job"), master=ident.get("master"),
-                      restart=ident.get("restart"))
-        self._emit({"v": SCHEMA_VERSION, "type": "remote", "node": own.rec["node"],
-                    "pid": own.rec["pid"], "seq": own.seq, "path": own.path,
-                    "wall": self._wall(), "writer": writer, "wseq": rec["seq"],
-                    "start_wall": rec["sw"], "end_wall": rec["ew"], "start_mono": start_mono,
-                    "end_mono": end_mono, "bytes": rec.get("bytes"),
-                    "outcome": rec.get("outcome") if isinstance(rec.get("outcome"), str)
-                    else "ok",
-                    "site": rec.get("site"), "func": rec.get("func"), "overlap": overlap,
-                    "shared": rec.get("shared")})
+        self._emit(event)
 
     # ---- deletion -------------------------------------------------------------------------
 
@@ -670,7 +553,8 @@ class JobScope:
         try:
             if self._op("delete_key", own.key):
                 self.counters["deleted"] += 1
-            if own.slot == 1 and self._op("delete_key", f"{self.prefix}/{own.h}/{own.epoch}/n"):
+            if own.slot == 1 and self._op("delete_key",
+                                          counter_key(self.prefix, own.h, own.epoch)):
                 self.counters["deleted"] += 1
         except _Unavailable:
             pass

@@ -2,21 +2,21 @@
 
 Loaded into training processes: standard library only.
 
-What warns: notice_unsafe(site, detail). Two sources call it:
-- the agent's notices: when the agent reports a collision, a redundant write or a hazard that
-  involves this process while its connection is open, it sends a notice back on that
-  connection (wire contract: ckptwatch/events.py); the emitter's sender thread reads it and
-  calls handle_notice(), which calls notice_unsafe();
-- job scope (ckptwatch/jobscope.py, the ranks' shared store): when it learns that another
-  rank writes the same path, it calls notice_unsafe() itself. This is the documented hook
-  point: `notice_unsafe(site, detail)` with site "file:line" (or None) and detail either a
-  sentence or a dict {"kind", "path", "others": [{"rank", "pid", "node", "site"}]}.
+What warns: notice_unsafe(site, detail), with site "file:line" (or None) and detail either a
+sentence or a dict {"kind", "path", "others": [{"rank", "pid", "node", "site"}]}. Its caller
+is the agent's notices: when the agent reports a collision, a redundant write or a hazard that
+involves this process while its connection is open, it sends a notice back on that
+connection (wire contract: ckptwatch/events.py); the emitter's sender thread reads it and
+calls handle_notice(), which calls notice_unsafe(). Job scope's hazards (ckptwatch/jobscope.py:
+another rank writes the same path) come back the same way: it reports them to the agent as
+"hazard" events. The hook's install() wires handle_notice() in under the warn policy; this
+module imports nothing of ckptwatch.
 
 How it warns: once per call site, a CheckpointCollisionWarning (a UserWarning) attributed to
 the user's own `file:line` (warnings.warn_explicit), and the same text as a WARNING on the
 "ckptwatch" logger. The message names the path, the other ranks and the fix. Never an
-exception, and never on the save path: both sources run on background threads (the sender,
-the job-scope worker), so the warning comes a little after the unsafe save, not inside it.
+exception, and never on the save path: it runs on the emitter's sender thread, so the
+warning comes a little after the unsafe save, not inside it.
 Without logging configured, Python prints the log line to stderr too (its last-resort
 handler), so a plain script shows the text twice: once as a warning, once as a log line.
 """
@@ -39,18 +39,7 @@ class CheckpointCollisionWarning(UserWarning):
 
 _lock = threading.Lock()
 _warned: set = set()
-_enabled = False
 _counters = {"warned": 0, "repeated": 0, "errors": 0}
-
-
-def enable() -> None:
-    """Turn the warn policy on: the hook marks its starts as wanting notices, and the
-    emitter's sender thread hands each notice it reads to handle_notice()."""
-    global _enabled
-    from ckptwatch import emitter, hook
-    _enabled = True
-    hook.want_notices()
-    emitter.get_emitter().on_notice = handle_notice
 
 
 def stats() -> dict:

@@ -247,7 +247,7 @@ _HOSTILE_SCRIPT = r"""
 import os, struct, sys, tempfile, json
 sys.path.insert(0, sys.argv[1])
 import corpus
-from monitor.verify import integrity, picklescan
+from monitor.verify import integrity, picklescan, safetensorsfile
 d = tempfile.mkdtemp()
 def write(name, data):
     path = os.path.join(d, name)
@@ -272,7 +272,7 @@ files = {
         b"\x80\x04\x95" + struct.pack("<Q", 2 ** 40) + b"N."),
     # JSON's worst amplifier (an empty object per 3 bytes) just under the header cap
     "json_objects.safetensors": lambda: (lambda h: struct.pack("<Q", len(h)) + h)(
-        b'{"__metadata__":[' + b"{}," * ((integrity.MAX_SAFETENSORS_PARSE - 40) // 3)
+        b'{"__metadata__":[' + b"{}," * ((safetensorsfile.MAX_SAFETENSORS_PARSE - 40) // 3)
         + b"{}]}"),
     # a 50 MB header claim in a sparse file that really is that long
     "json_too_big.safetensors": None,

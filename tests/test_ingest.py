@@ -29,9 +29,9 @@ class Recorder:
         self.events, self.rejects = [], []
         self.lock = threading.Lock()
 
-    def on_event(self, event):
+    def on_events(self, batch):
         with self.lock:
-            self.events.append(event)
+            self.events.extend(batch)
 
     def on_reject(self, reason):
         with self.lock:
@@ -41,7 +41,7 @@ class Recorder:
 @pytest.fixture
 def server(sockdir, no_thread_leak):
     rec = Recorder()
-    srv = IngestServer(os.path.join(sockdir, "sub", "agent.sock"), rec.on_event, rec.on_reject)
+    srv = IngestServer(os.path.join(sockdir, "sub", "agent.sock"), rec.on_events, rec.on_reject)
     srv.start()
     srv.rec = rec
     yield srv
@@ -176,16 +176,19 @@ def test_pid_checked_against_peer_credentials_of_other_process(server):
 def test_callback_exception_does_not_kill_server(sockdir, no_thread_leak):
     got = []
 
-    def on_event(event):
-        got.append(event)
+    def on_events(batch):
+        got.extend(batch)
         if len(got) == 1:
             raise RuntimeError("boom")
 
-    srv = IngestServer(os.path.join(sockdir, "c.sock"), on_event, lambda r: None)
+    srv = IngestServer(os.path.join(sockdir, "c.sock"), on_events, lambda r: None)
     srv.start()
     try:
         with connect(srv.path) as sock:
-            sock.sendall(events.encode(start_event(seq=1)) + events.encode(start_event(seq=2)))
+            # One read each: the second event comes after the callback raised on the first.
+            sock.sendall(events.encode(start_event(seq=1)))
+            wait_for(lambda: len(got) == 1)
+            sock.sendall(events.encode(start_event(seq=2)))
             wait_for(lambda: len(got) == 2)
         assert srv.alive and srv.errors_total == 1
     finally:
@@ -198,7 +201,7 @@ def test_stale_socket_replaced(sockdir, no_thread_leak):
     dead.bind(path)
     dead.close()                     # the file stays, nobody listens: what a killed agent leaves
     rec = Recorder()
-    srv = IngestServer(path, rec.on_event, rec.on_reject)
+    srv = IngestServer(path, rec.on_events, rec.on_reject)
     srv.start()
     try:
         with connect(path) as sock:
@@ -282,8 +285,13 @@ def test_trainer_in_its_own_pid_namespace_is_accepted_with_its_node_pid(server):
     assert server.rec.rejects == ["pid_mismatch"]
 
 
-def test_namespace_pid_reads_the_innermost_nspid(tmp_path):
-    from monitor.ingest.server import namespace_pid
+def test_peer_rights_read_the_innermost_nspid(tmp_path):
+    # The namespace pid a connection's events may claim (monitor.verify.rights.peer_rights).
+    from monitor.verify.rights import peer_rights
+
+    def namespace_pid(pid, proc_root="/proc"):
+        return peer_rights(pid, os.getuid(), os.getgid(), proc_root=proc_root)[1]
+
     (tmp_path / "42").mkdir()
     (tmp_path / "42" / "status").write_text("Name:\tpython\nNSpid:\t42\t7\t1\nPPid:\t1\n")
     assert namespace_pid(42, proc_root=str(tmp_path)) == 1
@@ -301,8 +309,8 @@ def test_backlog_above_the_limit_pauses_reading_until_the_consumer_catches_up(so
         asked[0] += 1
         return backlog[0]
 
-    srv = IngestServer(os.path.join(sockdir, "bp.sock"), None, rejects.append,
-                       on_events=got.extend, backlog=consumer_backlog, max_backlog=5)
+    srv = IngestServer(os.path.join(sockdir, "bp.sock"), got.extend, rejects.append,
+                       backlog=consumer_backlog, max_backlog=5)
     srv.start()
     try:
         with connect(srv.path) as sock:
@@ -333,8 +341,8 @@ def test_backlog_limit_holds_with_many_busy_connections(sockdir, no_thread_leak)
         return 10 ** 9 if paused[0] else len(got)
 
     limit = 1000
-    srv = IngestServer(os.path.join(sockdir, "bm.sock"), None, rejects.append,
-                       on_events=got.extend, backlog=consumer_backlog, max_backlog=limit)
+    srv = IngestServer(os.path.join(sockdir, "bm.sock"), got.extend, rejects.append,
+                       backlog=consumer_backlog, max_backlog=limit)
     srv.start()
     frame = events.encode(start_event())
     socks = [connect(srv.path) for _ in range(12)]
@@ -378,8 +386,8 @@ def test_a_quiet_connection_is_not_starved_by_busy_ones_at_the_backlog_limit(
     def consumer_backlog() -> int:
         return len(got) - taken[0]
 
-    srv = IngestServer(os.path.join(sockdir, "fair.sock"), None, rejects.append,
-                       on_events=on_events, backlog=consumer_backlog, max_backlog=limit)
+    srv = IngestServer(os.path.join(sockdir, "fair.sock"), on_events, rejects.append,
+                       backlog=consumer_backlog, max_backlog=limit)
     srv.start()
     stop = threading.Event()
     busy = [connect(srv.path) for _ in range(8)]
@@ -420,8 +428,7 @@ def test_a_quiet_connection_is_not_starved_by_busy_ones_at_the_backlog_limit(
 
 def test_batched_delivery_hands_over_lists_of_valid_events_only(sockdir, no_thread_leak):
     batches, rejects = [], []
-    srv = IngestServer(os.path.join(sockdir, "b.sock"), None, rejects.append,
-                       on_events=batches.append)
+    srv = IngestServer(os.path.join(sockdir, "b.sock"), batches.append, rejects.append)
     srv.start()
     try:
         with connect(srv.path) as sock:

@@ -40,8 +40,8 @@ def consumer():
 
 @pytest.fixture
 def server(sockdir, consumer, no_thread_leak):
-    srv = IngestServer(os.path.join(sockdir, "agent.sock"), None, consumer.on_reject,
-                       on_events=consumer.on_events, processed=consumer.processed)
+    srv = IngestServer(os.path.join(sockdir, "agent.sock"), consumer.on_events,
+                       consumer.on_reject, processed=consumer.processed)
     srv.start()
     yield srv
     srv.stop()

@@ -28,8 +28,8 @@ class Recorder:
     def __init__(self):
         self.events, self.rejects = [], []
 
-    def on_event(self, event):
-        self.events.append(event)
+    def on_events(self, batch):
+        self.events.extend(batch)
 
     def on_reject(self, reason):
         self.rejects.append(reason)
@@ -41,7 +41,7 @@ def make_server(sockdir, no_thread_leak):
 
     def make(**limits):
         rec = Recorder()
-        srv = IngestServer(os.path.join(sockdir, "agent.sock"), rec.on_event, rec.on_reject,
+        srv = IngestServer(os.path.join(sockdir, "agent.sock"), rec.on_events, rec.on_reject,
                            **limits)
         os.chmod(sockdir, 0o755)         # peers running as other uids must reach the socket
         srv.start()
@@ -244,7 +244,7 @@ def hazard_event(pid, i):
 def test_job_scope_events_are_rate_limited_per_connection_writes_are_not(make_server):
     """A local process may say anything about other nodes (remote, hazard, jobscope events
     cannot be checked): it may say only so much. Its own start events still all get in."""
-    from monitor.ingest.server import JOB_SCOPE_BURST
+    from monitor.ingest.connections import JOB_SCOPE_BURST
     from ckptwatch import events
     srv = make_server()
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

@@ -18,7 +18,7 @@ from helpers import wait_for
 @pytest.fixture
 def server(sockdir, no_thread_leak):
     rec = Recorder()
-    srv = IngestServer(os.path.join(sockdir, "agent.sock"), rec.on_event, rec.on_reject)
+    srv = IngestServer(os.path.join(sockdir, "agent.sock"), rec.on_events, rec.on_reject)
     srv.start()
     srv.rec = rec
     yield srv

@@ -18,8 +18,9 @@ torch = pytest.importorskip("torch", reason="needs torch (pip install -r require
 
 import corpus  # noqa: E402  (after the torch skip)
 from monitor.verify import integrity
-from monitor.verify import picklescan
+from monitor.verify import picklescan, torchzip
 from monitor.verify.integrity import CORRUPT, OK, UNVERIFIABLE, verify
+from monitor.verify.verdict import Corrupt
 
 pytestmark = [pytest.mark.torch]
 
@@ -323,9 +324,9 @@ def test_persistent_ids_are_found_without_unpickling():
     torch.save({"x": torch.zeros(7, dtype=torch.int16)}, buf, pickle_protocol=4)
     with zipfile.ZipFile(io.BytesIO(buf.getvalue())) as z:
         pkl = z.read(next(n for n in z.namelist() if n.endswith("data.pkl")))
-    assert integrity._persistent_storages(pkl, "x") == {"0": ("ShortStorage", 7)}
+    assert torchzip.pickle_storages(pkl, "x") == {"0": ("ShortStorage", 7)}
     evil = b"cos\nsystem\n(S'touch /tmp/ckptwatch-pwned'\ntR."
-    assert integrity._persistent_storages(evil, "x") == {}
+    assert torchzip.pickle_storages(evil, "x") == {}
     assert picklescan._fast_storages(evil) == {}       # the C reader, not the fallback
     assert not os.path.exists("/tmp/ckptwatch-pwned")
 
@@ -419,7 +420,7 @@ def test_pickle_scanner_agrees_with_pickletools(clean):
                 pickles += [z.read(n) for n in z.namelist() if n.endswith("/data.pkl")]
     assert len(pickles) >= 15
     for data in pickles:
-        assert integrity._persistent_storages(data, "x") == _reference_storages(data)
+        assert torchzip.pickle_storages(data, "x") == _reference_storages(data)
         assert picklescan.scan_pickle(data) == _reference_storages(data)
     rng = random.Random(7)
     agreed = 0
@@ -432,8 +433,8 @@ def test_pickle_scanner_agrees_with_pickletools(clean):
         except Exception:
             continue
         try:
-            got = integrity._persistent_storages(bytes(data), "x")
-        except integrity._Corrupt:
+            got = torchzip.pickle_storages(bytes(data), "x")
+        except Corrupt:
             continue                  # stricter than the reference is allowed
         assert got == expected
         agreed += 1

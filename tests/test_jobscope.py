@@ -13,7 +13,8 @@ import time
 import pytest
 
 from ckptwatch import jobscope
-from ckptwatch.jobscope import JobScope, place_remote, run_prefix
+from ckptwatch.jobkeys import place_remote, run_prefix
+from ckptwatch.jobscope import JobScope
 from ckptwatch.sharedfs import SharedPaths
 from helpers import free_port, wait_for
 

@@ -10,9 +10,10 @@ import pytest
 from exporters.journal import Journal
 from monitor.detect.detector import Detector
 from monitor.detect.model import Collision, Write, Writer
-from monitor.cli.report import (GUARD_FIX, LOCAL_RANK_NOTE, OWN_PATH_FIX, JournalSummary,
-                            add_arguments, clock_time, human_bytes, load, render_json,
-                            render_table, run, suggest_fix, summarize, summary_line)
+from monitor.cli.advice import GUARD_FIX, LOCAL_RANK_NOTE, OWN_PATH_FIX, suggest_fix
+from monitor.cli.journalview import JournalSummary, load, summarize
+from monitor.cli.report import add_arguments, render_json, render_table, run, summary_line
+from monitor.cli.textfmt import clock_time, human_bytes
 
 WALL0 = 1_764_457_487.0
 PATH = "/mnt/shared/ckpt/last.pt"

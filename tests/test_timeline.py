@@ -18,7 +18,8 @@ import pytest
 
 from exporters.journal import Journal
 from monitor.cli import timeline
-from monitor.cli.report import add_arguments, run, summarize
+from monitor.cli.journalview import summarize
+from monitor.cli.report import add_arguments, run
 from monitor.cli.timeline import (AXIS_H, AXIS_PAD, COLOR_CONCURRENT, COLOR_OVERLAP,
                                   COLOR_WRITE, LABEL_W, PLOT_W, ROW_H, render_html)
 from tests import incident

@@ -1,9 +1,13 @@
-"""Zero-code installation: patch torch.save as soon as torch is imported.
+"""Zero-code installation: patch torch.save now, or as soon as torch is imported.
 
 `ckptwatch run` puts this directory on PYTHONPATH, so Python's site module imports our
 sitecustomize.py at start-up in every Python process of the job (torchrun workers included),
 and that calls initialize(). Start-up stays cheap for processes that never import torch: only
 a sys.meta_path finder is registered; ckptwatch.hook (threads, sockets) is imported when torch is.
+
+This module is the one place that decides "now or later" (install()); ckptwatch.install() comes
+here too. The hook is the instrumentor: this module calls it, it never calls back (as in
+OpenTelemetry contrib, auto_instrumentation and instrumentor).
 
 The post-import hook: a meta-path finder that, for the top-level name "torch" only, asks the
 other finders for the real spec, and gives that spec's loader an instance-level exec_module that
@@ -20,20 +24,26 @@ import sys
 from ckptwatch import paths
 
 BOOTSTRAP_DIR = os.path.dirname(os.path.abspath(__file__))
-PACKAGE_DIR = os.path.dirname(BOOTSTRAP_DIR)
+
+
+def install() -> bool:
+    """Patch torch.save now if torch is imported (True if this call patched something), else
+    register the post-import hook that patches it as soon as torch is, and return False."""
+    if paths.disabled():
+        return False
+    # The hook is imported only once torch is: a process without torch never pays for it.
+    if "torch" in sys.modules:
+        from ckptwatch import hook
+        if hook.torch_ready():
+            return hook.install()
+    watch_torch_import()
+    return False
 
 
 def initialize() -> None:
-    """Install the hook now if torch is imported, else as soon as it is. Never raises."""
+    """install(), from sitecustomize at interpreter start-up. Never raises."""
     try:
-        if paths.disabled():
-            return
-        torch = sys.modules.get("torch")
-        if torch is not None and callable(getattr(torch, "save", None)):
-            from ckptwatch import hook
-            hook.install()
-        else:
-            watch_torch_import()
+        install()
     except Exception:
         # Instrumentation must never break the interpreter or the user's program.
         pass

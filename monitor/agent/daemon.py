@@ -109,7 +109,7 @@ class Agent:
         inbox = Inbox()
         fs_inbox: queue.SimpleQueue = queue.SimpleQueue()
         heartbeat = [time.monotonic()]
-        ingest = IngestServer(config.socket, None, state.event_rejected, on_events=inbox.put,
+        ingest = IngestServer(config.socket, inbox.put, state.event_rejected,
                               backlog=inbox.backlog, max_backlog=MAX_BACKLOG,
                               processed=inbox.finished,
                               socket_mode=config.socket_mode, socket_group=config.socket_group)

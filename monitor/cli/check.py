@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 
 from exporters.journal import read_records
 from monitor.cli import report
+from monitor.cli.journalview import summarize
+from monitor.cli.textfmt import keep_head, keep_tail, wrapped
 from monitor.cli.run import build_env
 from monitor.cli.launcher import AgentProcess
 
@@ -116,7 +118,7 @@ def read_findings(journal: str) -> Findings:
     found = Findings()
     if not os.path.exists(journal):
         return found
-    summary = report.summarize(journal, details=False)
+    summary = summarize(journal, details=False)
     found.collisions = summary.collisions[:MAX_LISTED]
     found.counts.update(collisions=len(summary.collisions), writes=summary.writes,
                         malformed=summary.malformed)
@@ -202,7 +204,7 @@ def render_json(outcome: Outcome) -> str:
 
 def _field(record: dict, name: str, width: int = 200) -> str:
     value = record.get(name)
-    return report.keep_head(str(value), width) if value not in (None, "") else ""
+    return keep_head(str(value), width) if value not in (None, "") else ""
 
 
 def render_table(outcome: Outcome, width: int = 80) -> str:
@@ -211,16 +213,16 @@ def render_table(outcome: Outcome, width: int = 80) -> str:
     if f.collisions:
         lines += [report.render_table(f.collisions, width), ""]
     for h in f.hazards:
-        lines.append(report.keep_tail(_field(h, "path") or "?", width))
+        lines.append(keep_tail(_field(h, "path") or "?", width))
         text = " ".join(x for x in (_field(h, "hazard"), _field(h, "detail")) if x)
-        lines += report._wrapped("hazard: ", text or "(no detail)", width)
+        lines += wrapped("hazard: ", text or "(no detail)", width)
         lines.append("")
     for v in f.corrupt:
-        lines.append(report.keep_tail(_field(v, "path") or "?", width))
+        lines.append(keep_tail(_field(v, "path") or "?", width))
         why = ", ".join(x for x in (_field(v, "cause"), _field(v, "reason")) if x)
         link = _field(v, "collision_id")
-        lines += report._wrapped("corrupt: ", why + (f" (written by collision {link})"
-                                                      if link else ""), width)
+        lines += wrapped("corrupt: ", why + (f" (written by collision {link})"
+                                             if link else ""), width)
         lines.append("")
     n = f.counts
     lines.append(f"ckptwatch check: {n['collisions']} collision(s), {n['hazards']} hazard(s), "

@@ -111,7 +111,8 @@ def run(nproc: int = 4, keep: bool = False) -> int:
             time.sleep(0.2)
         _say("[4/4] what ckptwatch saw\n")
         from monitor.cli import report
-        collisions = report.load(journal)
+        from monitor.cli.journalview import load
+        collisions = load(journal)
         _say(report.render_table(collisions, width=80))
         _say("\nmetrics (" + url + "/metrics):")
         for line in _metric_lines(url):

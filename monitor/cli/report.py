@@ -1,7 +1,8 @@
 """`ckptwatch report`: who wrote which checkpoint path when, and how to fix it.
 
-Reads the agent's journal (exporters/journal.py), rebuilds the collisions (monitor/detect/model.py)
-and renders them for an 80-column terminal (table) or for tools (json). The CLI wires it in
+Reads the agent's journal (monitor/cli/journalview.py: exporters/journal.py's records back
+into monitor/detect/model.py's collisions) and renders them for an 80-column terminal (table),
+for tools (json) or as a timeline page (html: monitor/cli/timeline.py). The CLI wires it in
 with add_arguments(parser) and run(args).
 
 Several journals (`--journal A --journal B`, or a directory holding several nodes' *.jsonl)
@@ -14,239 +15,20 @@ from __future__ import annotations
 import json
 import os
 import sys
-import textwrap
 import time
-from collections import deque
-from dataclasses import dataclass, field
 
-from exporters.journal import (SYSTEM_JOURNAL_PATH, ReadStats, default_journal_path,
-                               read_records)
+from exporters.journal import SYSTEM_JOURNAL_PATH, default_journal_path
 from exporters.logline import call_sites, clean
-from monitor.detect.model import FINDING_HAZARD, KIND_CONCURRENT, Collision, Write
+from monitor.cli.advice import GUARD_FIX, OWN_PATH_FIX, suggest_fix
+from monitor.cli.journalview import JournalSummary, summarize
+from monitor.cli.textfmt import clock_time, human_bytes, keep_head, keep_tail, wrapped
+from monitor.detect.model import KIND_CONCURRENT, Collision, Write
 
 EXIT_OK = 0
 EXIT_NO_JOURNAL = 2
 
-GUARD_FIX = ("guard this call site with a global-rank-0 check "
-             "(torch.distributed.get_rank() == 0)")
-LOCAL_RANK_NOTE = ("note LOCAL_RANK == 0 is one writer per node, still colliding on shared "
-                   "storage")
-OWN_PATH_FIX = "give each rank its own path"
-
-
-# What `summarize` keeps of a journal for the timeline, newest kept when there is more: the
-# journal is input from every user on the node (up to 6 x 64 MiB), and `report` must not take
-# memory in proportion to it. What is dropped is counted and the page says so.
-MAX_WRITES_KEPT = 100_000
-MAX_RECORDS_KEPT = 10_000          # per list: findings, verdicts, other records
-MAX_JOBS_KEPT = 1_000
-# Wall times outside this range are not from a real clock (0, negative, NaN, year 5138...).
-MIN_WALL, MAX_WALL = 1.0, 1e11
-MAX_DURATION = 1e7                  # seconds (four months): longer is not a save
-
-FINDING_TYPES = ("size_fluctuation", "torn_read")
-BAD_VERDICTS = ("corrupt", "unverifiable")
-KNOWN_TYPES = ("write", "collision", "verification") + FINDING_TYPES
-
-
-@dataclass
-class JournalSummary:
-    """What a journal holds: its collisions (oldest first), how many writes it recorded and,
-    for the timeline, the writes themselves, findings, bad verdicts and records of types this
-    version does not know (each list bounded, newest kept; `dropped` counts the rest)."""
-
-    collisions: list = field(default_factory=list)
-    hazards: list = field(default_factory=list)      # hazard records, deduplicated
-    writes: int = 0
-    malformed: int = 0          # lines or records that could not be read
-    files: int = 0
-    journals: list = field(default_factory=list)
-    kept_writes: dict = field(default_factory=dict)     # identity -> Write, oldest first
-    findings: deque = field(default_factory=lambda: deque(maxlen=MAX_RECORDS_KEPT))
-    verdicts: deque = field(default_factory=lambda: deque(maxlen=MAX_RECORDS_KEPT))
-    others: deque = field(default_factory=lambda: deque(maxlen=MAX_RECORDS_KEPT))
-    jobs: set = field(default_factory=set)
-    dropped: int = 0            # writes and records read but not kept (the caps above)
-    first_wall: float | None = None
-    last_wall: float | None = None
-
-    def _seen_wall(self, wall) -> None:
-        if not _is_wall(wall):
-            return
-        self.first_wall = wall if self.first_wall is None else min(self.first_wall, wall)
-        self.last_wall = wall if self.last_wall is None else max(self.last_wall, wall)
-
-    def _keep_write(self, w: Write) -> None:
-        key = write_identity(w)
-        if key in self.kept_writes:
-            return
-        self.kept_writes[key] = w
-        if len(self.kept_writes) > MAX_WRITES_KEPT:
-            self.kept_writes.pop(next(iter(self.kept_writes)))
-            self.dropped += 1
-        if w.writer.job is not None and len(self.jobs) < MAX_JOBS_KEPT:
-            self.jobs.add(str(w.writer.job))
-        self._seen_wall(w.start_wall)
-        self._seen_wall(w.end_wall)
-
-    def _keep(self, bounded: deque, record: dict) -> None:
-        if len(bounded) == bounded.maxlen:
-            self.dropped += 1
-        bounded.append(record)
-
-
-def write_identity(w: Write) -> tuple:
-    """One save, whether read from its "write" record or from a collision's writers."""
-    return (w.writer.node, w.writer.pid, w.path, w.seq, w.start_wall)
-
-
-def _is_wall(value) -> bool:
-    return (isinstance(value, (int, float)) and not isinstance(value, bool)
-            and MIN_WALL <= value <= MAX_WALL)
-
-
-def _optional_int(value) -> bool:
-    return value is None or (isinstance(value, int) and not isinstance(value, bool))
-
-
-def checked_write(rec: dict) -> Write:
-    """Write.from_record, refusing what would break arithmetic or layout downstream (a string
-    for a time, NaN, a negative duration): raises ValueError."""
-    w = Write.from_record(rec)
-    duration = rec.get("duration")
-    if not isinstance(w.path, str) or not isinstance(w.writer.node, str):
-        raise ValueError("path and node must be strings")
-    if not _is_wall(w.start_wall):
-        raise ValueError("start_wall is not a wall time")
-    if w.end_wall is not None and not _is_wall(w.end_wall):
-        raise ValueError("end_wall is not a wall time")
-    if duration is not None and not (isinstance(duration, (int, float))
-                                     and 0 <= duration <= MAX_DURATION):
-        raise ValueError("duration out of range")
-    if w.end_wall is not None and not 0 <= w.end_wall - w.start_wall <= MAX_DURATION:
-        raise ValueError("end_wall before start_wall")
-    if not all(_optional_int(v) for v in (w.writer.pid, w.writer.rank, w.seq, w.bytes)):
-        raise ValueError("pid, rank, seq and bytes must be integers")
-    if w.writer.pid is None:
-        raise ValueError("pid missing")
-    return w
-
-
-def summarize(journal_path, summary: JournalSummary | None = None, details: bool = True,
-              seen: set | None = None) -> JournalSummary:
-    """Read a journal (rotated files too), or a list of journals (several nodes') merged into
-    one summary: a collision several agents recorded (same id) and a hazard several reported
-    are kept once. details=False keeps only the collisions, hazards and counts (the table and
-    JSON need no more; keeping 100,000 writes costs ~100 MB). Raises OSError if one exists but
-    cannot be read."""
-    if not isinstance(journal_path, str):
-        summary, seen = JournalSummary(), set()
-        for path in journal_path:
-            summarize(path, summary, details, seen)
-        summary.collisions.sort(key=lambda c: c.first.start_wall)
-        return summary
-    stats = ReadStats()
-    summary = summary if summary is not None else JournalSummary()
-    summary.journals.append(journal_path)
-    if seen is None:
-        seen = {(c.id, c.kind, c.scope) for c in summary.collisions if c.id}
-    for record in read_records(journal_path, stats):
-        kind = record.get("type")
-        if kind == "write":
-            if record.get("source") == "job":
-                continue          # another node's write: counted in that node's journal
-            summary.writes += 1
-            if not details:
-                continue
-            try:
-                summary._keep_write(checked_write(record))
-            except (KeyError, TypeError, ValueError, AttributeError):
-                summary.malformed += 1
-        elif kind == FINDING_HAZARD:
-            key = ("hazard", repr(record.get("job"))[:200], record.get("path"),
-                   repr(record.get("hazard"))[:200])      # hashable whatever the journal holds
-            if not isinstance(record.get("path"), str):
-                summary.malformed += 1
-            elif key not in seen:
-                seen.add(key)
-                summary.hazards.append(record)
-        elif kind == "collision":
-            try:
-                collision = Collision.from_record(record)
-                writes = tuple(checked_write(w) for w in record["writers"])
-                if not writes or not isinstance(collision.path, str):
-                    raise ValueError("a collision without writers")
-            except (KeyError, TypeError, ValueError, AttributeError):
-                summary.malformed += 1
-                continue
-            # The same collision journaled twice (e.g. by two exporters) is shown once.
-            key = (collision.id, collision.kind, collision.scope)
-            if collision.id and key in seen:
-                continue
-            seen.add(key)
-            summary.collisions.append(collision)
-            for w in writes if details else ():
-                summary._keep_write(w)
-        elif not details:
-            continue
-        elif not isinstance(record.get("path", ""), str):
-            summary.malformed += 1
-        elif kind in FINDING_TYPES:
-            summary._keep(summary.findings, record)
-        elif kind == "verification":
-            if record.get("result") in BAD_VERDICTS:
-                summary._keep(summary.verdicts, record)
-        else:
-            summary._keep(summary.others, record)
-    summary.malformed += stats.malformed
-    summary.files += stats.files
-    return summary
-
-
-def load(journal_path: str) -> list:
-    """The collisions recorded in a journal, oldest first."""
-    return summarize(journal_path).collisions
-
 
 # ---------------------------------------------------------------------------- formatting
-
-def human_bytes(n) -> str:
-    """4096 -> 4.0KiB; None -> "-"."""
-    if n is None:
-        return "-"
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if value < 1024 or unit == "TiB":
-            return f"{int(value)}B" if unit == "B" else f"{value:.1f}{unit}"
-        value /= 1024
-    return f"{n}B"   # unreachable
-
-
-def clock_time(wall: float) -> str:
-    """HH:MM:SS.mmm in local time."""
-    ms = int(round((wall % 1) * 1000))
-    seconds = int(wall)
-    if ms == 1000:
-        seconds, ms = seconds + 1, 0
-    return time.strftime("%H:%M:%S", time.localtime(seconds)) + f".{ms:03d}"
-
-
-def keep_tail(text: str, width: int) -> str:
-    """The text, or "..." + its tail when longer than width (the end of a path says most)."""
-    text = clean(text)
-    if len(text) <= width:
-        return text
-    if width <= 3:
-        return text[-width:]
-    return "..." + text[-(width - 3):]
-
-
-def keep_head(text: str, width: int) -> str:
-    text = clean(text)
-    if len(text) <= width:
-        return text
-    return text[:max(0, width - 3)] + "..."[:width]
-
 
 def _duration(w: Write) -> str:
     if w.duration is None:
@@ -260,29 +42,6 @@ def _site(w: Write) -> str:
 
 def _who(w: Write) -> str:
     return f"{clean(w.writer.label)} (pid {w.writer.pid})"
-
-
-def suggest_fix(c: Collision) -> str:
-    """What to change in the training code, from who wrote and from where."""
-    writers = c.writers
-    jobs = {w.job for w in writers}
-    runs = {w.run_key for w in writers}
-    if len(jobs) > 1 or (None not in runs and len(runs) > 1):
-        return ("different jobs (or restarts) write this path: give each job its own output "
-                "directory")
-    if any(w.rank is None for w in writers):
-        return "make only one process write this path, or give each process its own path"
-    sites = {w.site for w in c.writes}
-    nodes = {w.node for w in writers}
-    node_local = len(nodes) > 1 or (len(writers) > 1
-                                    and all(w.local_rank == 0 for w in writers))
-    if len(sites) > 1:
-        guard = GUARD_FIX.replace("this call site", "each of these call sites")
-    else:
-        guard = GUARD_FIX
-    if node_local:
-        guard += " -- " + LOCAL_RANK_NOTE
-    return f"{guard}; or {OWN_PATH_FIX}"
 
 
 def _columns(width: int) -> list:
@@ -305,12 +64,6 @@ def _row(values: list, columns: list) -> str:
     return ("  " + " ".join(cells)).rstrip()
 
 
-def _wrapped(label: str, text: str, width: int) -> list:
-    return textwrap.wrap(text, width=width, initial_indent="  " + label,
-                         subsequent_indent="  " + " " * len(label),
-                         break_on_hyphens=False) or ["  " + label]
-
-
 def render_collision(c: Collision, width: int = 80) -> list:
     """The lines for one collision (without the path heading)."""
     lines = []
@@ -325,9 +78,9 @@ def render_collision(c: Collision, width: int = 80) -> list:
     head = f"{clean(c.kind)} collision, {writers} writers, {how}, {day}"
     if c.scope != "node":
         head += f", scope {clean(c.scope)}"
-    lines += _wrapped("", head, width)
+    lines += wrapped("", head, width)
     if c.kind != KIND_CONCURRENT:
-        lines += _wrapped("", "(the same job run wrote it from several processes: not "
+        lines += wrapped("", "(the same job run wrote it from several processes: not "
                           "corrupt yet, the same bug waiting to happen)", width)
     columns = _columns(width)
     lines.append(_row([title for title, _ in columns], columns))
@@ -336,26 +89,26 @@ def render_collision(c: Collision, width: int = 80) -> list:
                            _duration(w), human_bytes(w.bytes), _site(w)], columns))
     for w in c.writes:
         if w.outcome == "lost":
-            lines += _wrapped("", f"{_who(w)}: its end was never seen (the process died or "
+            lines += wrapped("", f"{_who(w)}: its end was never seen (the process died or "
                               "stalled); duration is up to its last sign of life", width)
         elif w.end_wall is None:
-            lines += _wrapped("", f"{_who(w)}: still writing when the collision was reported "
+            lines += wrapped("", f"{_who(w)}: still writing when the collision was reported "
                               "(it held the report back for collision.max-hold)", width)
         elif w.outcome not in (None, "ok"):
-            lines += _wrapped("", f"{_who(w)}: the save raised {clean(w.outcome)}", width)
+            lines += wrapped("", f"{_who(w)}: the save raised {clean(w.outcome)}", width)
     last = c.last
     if c.kind == KIND_CONCURRENT:
         # Not "its bytes are on disk": every writer truncated and wrote the same file, so what
         # is on disk is usually a mix (the demo shows files that fail to load).
-        lines += _wrapped("last to finish: ", f"{_who(last)}; the file on disk may mix "
+        lines += wrapped("last to finish: ", f"{_who(last)}; the file on disk may mix "
                           "bytes of every writer", width)
     else:
-        lines += _wrapped("last write: ", f"{_who(last)}, its bytes are on disk", width)
+        lines += wrapped("last write: ", f"{_who(last)}, its bytes are on disk", width)
     sites = call_sites(c)
     if sites:
-        lines += _wrapped("call site: " if len(sites) == 1 else "call sites: ",
+        lines += wrapped("call site: " if len(sites) == 1 else "call sites: ",
                           ", ".join(sites), width)
-    lines += _wrapped("fix: ", suggest_fix(c), width)
+    lines += wrapped("fix: ", suggest_fix(c), width)
     if c.id:
         lines.append(keep_head(f"  id {c.id}", width))
     return lines
@@ -405,17 +158,17 @@ def render_hazards(hazards: list, width: int = 80) -> str:
         head = f"hazard {kind} (shared storage: {h.get('shared')})"
         if h.get("job"):
             head += f", job {h.get('job')}"
-        lines += _wrapped("", clean(head), width)
-        lines += _wrapped("", clean(HAZARD_TEXT.get(kind, kind)), width)
+        lines += wrapped("", clean(head), width)
+        lines += wrapped("", clean(HAZARD_TEXT.get(kind, kind)), width)
         writer = (h.get("writers") or [{}])[0]
         who = f"rank{writer.get('rank')}@{writer.get('node')} (pid {writer.get('pid')})"
         if writer.get("site"):
             who += f" at {writer.get('site')}"
-        lines += _wrapped("reported by: ", clean(who), width)
+        lines += wrapped("reported by: ", clean(who), width)
         ranks = h.get("ranks") or []
         if ranks:
-            lines += _wrapped("ranks writing it: ", ", ".join(str(r) for r in ranks), width)
-        lines += _wrapped("fix: ", GUARD_FIX + "; or " + OWN_PATH_FIX, width)
+            lines += wrapped("ranks writing it: ", ", ".join(str(r) for r in ranks), width)
+        lines += wrapped("fix: ", GUARD_FIX + "; or " + OWN_PATH_FIX, width)
     return "\n".join(line if len(line) <= width else keep_head(line, width) for line in lines)
 
 
@@ -496,7 +249,7 @@ def run(args, out=None, err=None) -> int:
     if fmt == "json":
         text = render_json(summary.collisions, summary.hazards) + "\n"
     elif fmt == "html":
-        from monitor.cli.timeline import render_html    # imports this module
+        from monitor.cli.timeline import render_html    # only for html: its own imports
         text = render_html(summary)
     else:
         text = (render_table(summary.collisions) + "\n\n" if summary.collisions else "") \

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from monitor.verify import crc
 from monitor.verify import integrity
 from monitor.verify import sets as checkpoint_sets
-from monitor.cli.report import human_bytes
+from monitor.cli.textfmt import human_bytes
 from monitor.fs.options import CHECKPOINT_PATTERNS as DEFAULT_PATTERNS
 
 EXIT_OK = 0

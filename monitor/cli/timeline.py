@@ -13,7 +13,8 @@ browser: its Content-Security-Policy forbids scripts and every fetch, a second l
 behind escaping. Every string on it comes from training processes and file names on a shared
 node, so every one goes through _text (escaped, control characters shown, length bounded),
 and the page is bounded whatever the journal holds (MAX_* below; a note says what was left
-out). The input is report.JournalSummary; the page is a pure function of it and a clock.
+out). The input is journalview.JournalSummary; the page is a pure function of it and a
+clock.
 """
 from __future__ import annotations
 
@@ -23,7 +24,9 @@ import time
 from dataclasses import dataclass, field
 
 from exporters.logline import call_sites, clean
-from monitor.cli.report import (JournalSummary, human_bytes, suggest_fix, write_identity)
+from monitor.cli.advice import suggest_fix
+from monitor.cli.journalview import JournalSummary, write_identity
+from monitor.cli.textfmt import human_bytes
 from monitor.detect.model import KIND_CONCURRENT, KIND_REDUNDANT, Collision, Write
 
 # Geometry of a chart, in CSS pixels. The SVG is drawn at this size (it shrinks, never grows,
@@ -533,7 +536,7 @@ def _paths(summary: JournalSummary) -> list:
 
 
 def render_html(summary: JournalSummary, now: float | None = None) -> str:
-    """The whole page for a summary (report.summarize)."""
+    """The whole page for a summary (journalview.summarize)."""
     now = time.time() if now is None else now
     paths = _paths(summary)
     charted = paths[:MAX_PATHS]
