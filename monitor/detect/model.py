@@ -22,6 +22,11 @@ FINDING_SIZE_FLUCTUATION = "size_fluctuation"
 FINDING_TORN_READ = "torn_read"
 FINDING_VERIFICATION = "verification"
 FINDING_HAZARD = "hazard"   # details["hazard"]: local_rank_guard | shared_storage_multi_writer
+OUTCOME_LOST = "lost"       # a Write's outcome when its end never came
+# Why the detector refused a start (monitor.detect.pairing) or a remote write
+# (monitor.detect.remote): the values of the metrics' `reason` labels.
+REFUSE_REASONS = ("writer_open_limit", "path_open_limit", "open_limit")
+REMOTE_REJECT_REASONS = ("unanchored", "path_full", "held_full")
 
 
 @dataclass(frozen=True)
@@ -108,7 +113,7 @@ class Write:
     end_wall: float | None = None
     end_mono: float | None = None
     bytes: int | None = None
-    outcome: str | None = None        # "ok", an exception type name, or "lost" (never ended)
+    outcome: str | None = None        # "ok", an exception type name, or OUTCOME_LOST
     site: str | None = None
     func: str | None = None
     source: str = SOURCE_HOOK
