@@ -101,11 +101,12 @@ def _env_float(environ, name: str, default: float) -> float:
 
 
 def run_prefix(ident: dict) -> str:
-    """ckptwatch/<16 hex>: one job run (job id + restart count; master too for job "none")."""
-    job = ident.get("job")
-    master = ident.get("master") if job in (None, "none") else None
-    run = f"{job}\0{master}\0{ident.get('restart')}"
-    return "ckptwatch/" + hashlib.sha1(run.encode("utf-8", "surrogatepass")).hexdigest()[:16]
+    """ckptwatch/<16 hex>: the store keys of one job run (ckptwatch.jobrun.job_run). Job scope
+    starts only with MASTER_ADDR:MASTER_PORT set, so its run always has a name."""
+    from ckptwatch.jobrun import job_run    # here: this function is all of jobscope it concerns
+    run = job_run(ident.get("job"), ident.get("master"), ident.get("restart"))
+    text = "\0".join(map(str, run)) if run is not None else ""
+    return "ckptwatch/" + hashlib.sha1(text.encode("utf-8", "surrogatepass")).hexdigest()[:16]
 
 
 def path_hash(path: str) -> str:

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from ckptwatch.jobrun import job_run
+
 KIND_CONCURRENT = "concurrent"
 KIND_REDUNDANT = "redundant"
 SCOPE_NODE = "node"
@@ -50,17 +52,9 @@ class Writer:
 
     @property
     def run_key(self) -> tuple | None:
-        """Identifies one job run (job id + restart count); None when the job is unknown.
-
-        torchrun's static rendezvous sets TORCHELASTIC_RUN_ID=none for every job, so "none"
-        alone would merge unrelated jobs: the master address disambiguates it.
-        """
-        if self.job is None:
-            return None
-        master = self.master if self.job == "none" else None
-        if self.job == "none" and master is None:
-            return None
-        return (self.job, master, self.restart)
+        """The job run this writer belongs to (ckptwatch.jobrun.job_run); None when nothing
+        names it."""
+        return job_run(self.job, self.master, self.restart)
 
     @property
     def job_label(self) -> str:
