@@ -19,6 +19,8 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from ckptwatch.advice import (FIX, GUARD_FIX, GUARD_FIX_SITES, JOBS_FIX, LOCAL_RANK_NOTE,
+                              OWN_PATH_FIX, PROCESS_FIX)
 from exporters.journal import (SYSTEM_JOURNAL_PATH, ReadStats, default_journal_path,
                                read_records)
 from exporters.logline import call_sites, clean
@@ -27,11 +29,6 @@ from monitor.detect.model import FINDING_HAZARD, KIND_CONCURRENT, Collision, Wri
 EXIT_OK = 0
 EXIT_NO_JOURNAL = 2
 
-GUARD_FIX = ("guard this call site with a global-rank-0 check "
-             "(torch.distributed.get_rank() == 0)")
-LOCAL_RANK_NOTE = ("note LOCAL_RANK == 0 is one writer per node, still colliding on shared "
-                   "storage")
-OWN_PATH_FIX = "give each rank its own path"
 
 
 # What `summarize` keeps of a journal for the timeline, newest kept when there is more: the
@@ -268,18 +265,14 @@ def suggest_fix(c: Collision) -> str:
     jobs = {w.job for w in writers}
     runs = {w.run_key for w in writers}
     if len(jobs) > 1 or (None not in runs and len(runs) > 1):
-        return ("different jobs (or restarts) write this path: give each job its own output "
-                "directory")
+        return JOBS_FIX
     if any(w.rank is None for w in writers):
-        return "make only one process write this path, or give each process its own path"
+        return PROCESS_FIX
     sites = {w.site for w in c.writes}
     nodes = {w.node for w in writers}
     node_local = len(nodes) > 1 or (len(writers) > 1
                                     and all(w.local_rank == 0 for w in writers))
-    if len(sites) > 1:
-        guard = GUARD_FIX.replace("this call site", "each of these call sites")
-    else:
-        guard = GUARD_FIX
+    guard = GUARD_FIX_SITES if len(sites) > 1 else GUARD_FIX
     if node_local:
         guard += " -- " + LOCAL_RANK_NOTE
     return f"{guard}; or {OWN_PATH_FIX}"
@@ -415,7 +408,7 @@ def render_hazards(hazards: list, width: int = 80) -> str:
         ranks = h.get("ranks") or []
         if ranks:
             lines += _wrapped("ranks writing it: ", ", ".join(str(r) for r in ranks), width)
-        lines += _wrapped("fix: ", GUARD_FIX + "; or " + OWN_PATH_FIX, width)
+        lines += _wrapped("fix: ", FIX, width)
     return "\n".join(line if len(line) <= width else keep_head(line, width) for line in lines)
 
 
