@@ -1,4 +1,6 @@
-"""Agent-side values: writers, writes, collisions and findings. Pure, immutable, stdlib only.
+"""Agent-side values: writers, writes, collisions and findings. Pure and immutable; imports
+only the standard library and the training side's stdlib-only contract (ckptwatch.events,
+ckptwatch.jobrun), so the exporters can take these types and nothing else of monitor.
 
 The detector, the filesystem tracker and the size history produce these, the exporters
 (metrics, journal, log) and `ckptwatch report` consume them. Journal records are built here
