@@ -127,8 +127,8 @@ notice, and a frame over the limit ends notice reading on that connection.
 from __future__ import annotations
 
 import json
-import math
 import struct
+from math import isfinite
 
 SCHEMA_VERSION = 1
 MAX_FRAME_BYTES = 64 * 1024
@@ -218,13 +218,20 @@ _STR = frozenset({str})
 _OPT_INT = frozenset({int, type(None)})
 _OPT_STR = frozenset({str, type(None)})
 
-_COMMON = (("v", _INT), ("type", _STR), ("node", _STR), ("pid", _INT))
+# What names a writer, with each field's types: node and pid (required in every event)
+# identify it, the others describe it (optional). WRITER_FIELDS is their one order: of a
+# start/end event's identity, of a "remote" event's writer, of the agent's
+# monitor.detect.model.Writer.
+_WRITER_TYPES = {"node": _STR, "pid": _INT, "rank": _OPT_INT, "local_rank": _OPT_INT,
+                 "world_size": _OPT_INT, "local_world_size": _OPT_INT, "node_rank": _OPT_INT,
+                 "job": _OPT_STR, "master": _OPT_STR, "restart": _OPT_INT}
+WRITER_FIELDS = tuple(_WRITER_TYPES)
+_WRITER_ID = tuple(_WRITER_TYPES.items())[:2]
+_WRITER_OPTIONAL = tuple(_WRITER_TYPES.items())[2:]
+
+_COMMON = (("v", _INT), ("type", _STR)) + _WRITER_ID
 _WRITE = (("seq", _INT), ("path", _STR), ("wall", _NUM), ("mono", _NUM))
-_WRITE_OPTIONAL = (
-    ("rank", _OPT_INT), ("local_rank", _OPT_INT), ("world_size", _OPT_INT),
-    ("local_world_size", _OPT_INT), ("node_rank", _OPT_INT), ("job", _OPT_STR),
-    ("master", _OPT_STR), ("restart", _OPT_INT), ("site", _OPT_STR), ("func", _OPT_STR),
-)
+_WRITE_OPTIONAL = _WRITER_OPTIONAL + (("site", _OPT_STR), ("func", _OPT_STR))
 _END = (("start_wall", _NUM), ("start_mono", _NUM), ("outcome", _STR))
 _END_OPTIONAL = (("bytes", _OPT_INT),)
 _DROPPED = (("count", _INT),)
@@ -244,10 +251,14 @@ def _check(event: dict, fields: tuple, required: bool) -> None:
             raise EventError(REJECT_INCOMPLETE, f"field {name!r} has type {type(value).__name__}")
 
 
-_FAST_OPT_INT = ("rank", "local_rank", "world_size", "local_world_size", "node_rank", "restart")
-_FAST_OPT_STR = ("job", "master", "site", "func")
-_FAST_NUM = ("wall", "mono")
-_FAST_END_NUM = ("start_wall", "start_mono")
+# The same rules as the tables above, grouped by type for _is_valid_write.
+_FAST_OPT_INT = tuple(name for name, allowed in _WRITE_OPTIONAL if allowed is _OPT_INT)
+_FAST_OPT_STR = tuple(name for name, allowed in _WRITE_OPTIONAL if allowed is _OPT_STR)
+_FAST_NUM = tuple(name for name, allowed in _WRITE if allowed is _NUM)
+_FAST_END_NUM = tuple(name for name, allowed in _END if allowed is _NUM)
+
+
+_WRITE_TIMES = {"start": _FAST_NUM, "end": _FAST_NUM + _FAST_END_NUM}
 
 
 def _is_valid_write(e: dict) -> bool:
@@ -259,20 +270,33 @@ def _is_valid_write(e: dict) -> bool:
     an absent optional field reads as None, which every optional type allows.
     """
     get = e.get
-    pid, path = get("pid"), get("path")
-    if not (type(get("node")) is str and type(pid) is int and pid > 0
-            and type(get("seq")) is int and type(path) is str and path[:1] == "/"
+    if not (type(get("node")) is str and type(get("pid")) is int
+            and type(get("seq")) is int and type(get("path")) is str
             and set(map(type, map(get, _FAST_NUM))) <= _NUM
-            and all(map(math.isfinite, map(get, _FAST_NUM)))
             and set(map(type, map(get, _FAST_OPT_INT))) <= _OPT_INT
             and set(map(type, map(get, _FAST_OPT_STR))) <= _OPT_STR):
         return False
     kind = e["type"]
-    if kind == "start":
-        return True
-    return (kind == "end" and set(map(type, map(get, _FAST_END_NUM))) <= _NUM
-            and all(map(math.isfinite, map(get, _FAST_END_NUM)))
-            and type(get("outcome")) is str and type(get("bytes")) in _OPT_INT)
+    if kind == "end":
+        if not (set(map(type, map(get, _FAST_END_NUM))) <= _NUM
+                and type(get("outcome")) is str and type(get("bytes")) in _OPT_INT):
+            return False
+    elif kind != "start":
+        return False
+    return write_values_valid(e)
+
+
+def write_values_valid(e: dict) -> bool:
+    """The rules on a start or end event's values beyond its fields' types (which the caller
+    has checked): this schema version, a positive pid, an absolute path, finite times (json
+    reads NaN and Infinity, which would break every comparison the detector orders writes
+    by). The agent's memoised validation (monitor.ingest.codec) applies exactly these to an
+    event whose shape validate() accepted before. The times are named one by one
+    (_WRITE_TIMES): a map over them took twice as long, on every event."""
+    return (e["v"] == SCHEMA_VERSION and e["pid"] > 0 and e["path"][:1] == "/"
+            and isfinite(e["wall"]) and isfinite(e["mono"])
+            and (e["type"] == "start" or (isfinite(e["start_wall"])
+                                          and isfinite(e["start_mono"]))))
 
 
 def validate(event: object) -> dict:
@@ -312,10 +336,8 @@ def validate(event: object) -> dict:
     if kind == "end":
         _check(event, _END, required=True)
         _check(event, _END_OPTIONAL, required=False)
-    # NaN or infinite times (json reads NaN and Infinity) would break every comparison the
-    # detector orders writes by.
-    for name in (_FAST_NUM + _FAST_END_NUM) if kind == "end" else _FAST_NUM:
-        if not math.isfinite(event[name]):
+    for name in _WRITE_TIMES[kind]:                 # finite: see write_values_valid
+        if not isfinite(event[name]):
             raise EventError(REJECT_INCOMPLETE, f"field {name!r} is not a finite number")
     return event
 
@@ -326,11 +348,8 @@ _REMOTE = (("seq", _INT), ("path", _STR), ("wall", _NUM), ("wseq", _INT),
            ("outcome", _STR))
 _REMOTE_OPTIONAL = (("bytes", _OPT_INT), ("site", _OPT_STR), ("func", _OPT_STR),
                     ("overlap", _BOOL_OPT), ("shared", _OPT_STR))
-_REMOTE_WRITER = (("node", _STR), ("pid", _INT))
-_REMOTE_WRITER_OPTIONAL = (
-    ("rank", _OPT_INT), ("local_rank", _OPT_INT), ("world_size", _OPT_INT),
-    ("local_world_size", _OPT_INT), ("node_rank", _OPT_INT), ("job", _OPT_STR),
-    ("master", _OPT_STR), ("restart", _OPT_INT))
+_REMOTE_WRITER = _WRITER_ID
+_REMOTE_WRITER_OPTIONAL = _WRITER_OPTIONAL
 _HAZARD = (("kind", _STR), ("seq", _INT), ("path", _STR), ("shared", _STR), ("wall", _NUM))
 _HAZARD_OPTIONAL = _WRITE_OPTIONAL
 _JOBSCOPE = (("state", _STR), ("wall", _NUM))
@@ -380,7 +399,7 @@ def _validate_job_scope(event: dict, kind: str) -> dict:
             raise EventError(REJECT_INCOMPLETE, "writer pid must be positive")
         if writer["node"] == event["node"]:
             raise EventError(REJECT_INCOMPLETE, "a remote writer is on another node")
-        if not all(map(math.isfinite, (event["start_wall"], event["end_wall"],
+        if not all(map(isfinite, (event["start_wall"], event["end_wall"],
                                         event["start_mono"], event["end_mono"]))):
             raise EventError(REJECT_INCOMPLETE, "remote times must be finite")
         if not event["start_mono"] <= event["end_mono"]:

@@ -6,7 +6,7 @@ Loaded into training processes: standard library only.
 """
 from __future__ import annotations
 
-from ckptwatch.events import SCHEMA_VERSION
+from ckptwatch.events import SCHEMA_VERSION, WRITER_FIELDS
 from ckptwatch.sharedfs import names_rank_or_node
 
 HAZARD_LOCAL_RANK_GUARD = "local_rank_guard"
@@ -48,11 +48,10 @@ class Reported:
 def hazard_event(kind: str, rec: dict, seq: int, path: str, ident: dict, ranks: list,
                  nodes: list, wall: float) -> dict:
     """The "hazard" event (ckptwatch/events.py) about our write `rec` of `path`."""
-    return {"v": SCHEMA_VERSION, "type": "hazard", "kind": kind, "node": rec["node"],
-            "pid": rec["pid"], "seq": seq, "path": path,
-            "rank": rec["rank"], "local_rank": rec["local_rank"],
-            "world_size": rec["world_size"], "node_rank": rec["node_rank"],
-            "job": ident.get("job"), "master": ident.get("master"),
-            "restart": ident.get("restart"), "site": rec["site"], "func": rec["func"],
+    event = {"v": SCHEMA_VERSION, "type": "hazard", "kind": kind}
+    event.update({name: rec.get(name) for name in WRITER_FIELDS})
+    event.update({"job": ident.get("job"), "master": ident.get("master"),
+                  "restart": ident.get("restart")})
+    return {**event, "seq": seq, "path": path, "site": rec["site"], "func": rec["func"],
             "shared": rec["shared"], "ranks": sorted(set(ranks))[:MAX_LISTED],
             "nodes": sorted(set(nodes))[:MAX_LISTED], "wall": wall}

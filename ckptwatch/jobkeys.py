@@ -30,18 +30,20 @@ from __future__ import annotations
 import hashlib
 import json
 
-from ckptwatch.events import SCHEMA_VERSION
+from ckptwatch.events import SCHEMA_VERSION, WRITER_FIELDS
+from ckptwatch.jobrun import job_run
 
 EPS = 1e-6
+RECORD_WRITER_FIELDS = tuple(f for f in WRITER_FIELDS if f not in ("job", "master", "restart"))
 MAX_RECORD_BYTES = 16384        # a slot value longer than this is not a record of ours
 
 
 def run_prefix(ident: dict) -> str:
-    """ckptwatch/<16 hex>: one job run (job id + restart count; master too for job "none")."""
-    job = ident.get("job")
-    master = ident.get("master") if job in (None, "none") else None
-    run = f"{job}\0{master}\0{ident.get('restart')}"
-    return "ckptwatch/" + hashlib.sha1(run.encode("utf-8", "surrogatepass")).hexdigest()[:16]
+    """ckptwatch/<16 hex>: the store keys of one job run (ckptwatch.jobrun.job_run). Job scope
+    starts only with MASTER_ADDR:MASTER_PORT set, so its run always has a name."""
+    run = job_run(ident.get("job"), ident.get("master"), ident.get("restart"))
+    text = "\0".join(map(str, run)) if run is not None else ""
+    return "ckptwatch/" + hashlib.sha1(text.encode("utf-8", "surrogatepass")).hexdigest()[:16]
 
 
 def path_hash(path: str) -> str:
@@ -69,14 +71,15 @@ def slot_record(ident: dict, seq: int, path: str, code, line, wall: float) -> di
     """A write's record at its start, as other ranks read it from its slot: the writer, the
     call site, the start wall; the end's fields (ew, te, bytes, outcome) and the tickets are
     filled in as the thread learns them."""
-    return {"node": ident["node"], "pid": ident["pid"], "rank": ident.get("rank"),
-            "local_rank": ident.get("local_rank"), "world_size": ident.get("world_size"),
-            "local_world_size": ident.get("local_world_size"),
-            "node_rank": ident.get("node_rank"), "seq": seq, "path": path,
+    # The writer's own fields (WRITER_FIELDS less the job run's, which every reader of the
+    # job's store shares: remote_event adds the reader's own).
+    rec = {name: ident.get(name) for name in RECORD_WRITER_FIELDS}
+    rec.update({"seq": seq, "path": path,
             "site": f"{code.co_filename}:{line}" if code is not None else None,
             "func": code.co_name if code is not None else None,
             "shared": None, "sw": wall, "ew": None, "ts": None, "te": None,
-            "bytes": None, "outcome": None}
+            "bytes": None, "outcome": None})
+    return rec
 
 
 def encode_record(rec: dict) -> str:
@@ -152,9 +155,7 @@ def remote_event(mine: dict, sm: float, em: float, rec: dict, ident: dict,
     own = {"sw": mine["sw"], "sm": sm, "ew": mine["ew"], "em": em, "ts": mine["ts"],
            "te": mine["te"]}
     start_mono, end_mono, overlap = place_remote(own, rec)
-    writer = {name: rec.get(name) for name in ("node", "pid", "rank", "local_rank",
-                                               "world_size", "local_world_size",
-                                               "node_rank")}
+    writer = {name: rec.get(name) for name in RECORD_WRITER_FIELDS}
     writer.update(job=ident.get("job"), master=ident.get("master"),
                   restart=ident.get("restart"))
     return {"v": SCHEMA_VERSION, "type": "remote", "node": mine["node"],

@@ -26,11 +26,11 @@ import logging
 import threading
 import warnings
 
+from ckptwatch.advice import FIX
+
 log = logging.getLogger("ckptwatch")
 
 MAX_SITES = 1024              # call sites remembered; beyond, warnings stop (bounded memory)
-FIX = ("save from one rank only (e.g. `if dist.get_rank() == 0: torch.save(...)`, then "
-       "dist.barrier()), or give each rank its own file name")
 
 
 class CheckpointCollisionWarning(UserWarning):

@@ -149,6 +149,21 @@ def test_a_known_shape_with_a_non_finite_time_is_rejected_without_orjson(monkeyp
     assert {r.reason for r in results if type(r) is not dict} == {events.REJECT_INCOMPLETE}
 
 
+def test_a_known_shape_follows_the_contracts_schema_version(monkeypatch):
+    """The memo's value checks are the contract's rules (events.write_values_valid), not a
+    copy: with the schema version moved on, a version-1 event of a shape the memo knows is
+    the reference's unknown_version, and the new version's is accepted."""
+    for kind in (start, end):
+        v1 = kind()
+        assert codec.validate(dict(v1)) == v1                 # the shape is memoised now
+        monkeypatch.setattr(events, "SCHEMA_VERSION", 2)
+        with pytest.raises(events.EventError) as rejected:
+            codec.validate(dict(v1))
+        assert rejected.value.reason == events.REJECT_UNKNOWN_VERSION
+        assert codec.validate(kind(v=2)) == kind(v=2)
+        monkeypatch.undo()
+
+
 @needs_orjson
 def test_memo_is_bounded_against_invented_shapes():
     before = {kind: set(shapes) for kind, shapes in codec._ACCEPTED.items()}

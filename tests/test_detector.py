@@ -7,7 +7,9 @@ import random
 
 import pytest
 
-from monitor.detect.detector import MAX_CHAIN_WRITES, OUTCOME_LOST, Detector, collision_id
+from monitor.detect.detector import Detector
+from monitor.detect.grouping import MAX_CHAIN_WRITES, collision_id
+from monitor.detect.model import OUTCOME_LOST
 from monitor.detect.model import KIND_CONCURRENT, KIND_REDUNDANT, Collision, Write
 
 WALL0 = 1_700_000_000.0
@@ -487,9 +489,9 @@ def test_random_intervals_match_brute_force_reference(seed):
 
 
 def test_a_storm_of_overlapping_writes_stays_bounded(monkeypatch):
-    import monitor.detect.detector
+    import monitor.detect.grouping
     MAX_PATH_WRITES = 64
-    monkeypatch.setattr(monitor.detect.detector, "MAX_PATH_WRITES", MAX_PATH_WRITES)
+    monkeypatch.setattr(monitor.detect.grouping, "MAX_PATH_WRITES", MAX_PATH_WRITES)
     clock = FakeClock(0.0)
     det = make(clock)
     out = []
@@ -558,7 +560,7 @@ def test_a_flood_of_open_starts_costs_bounded_work_per_event_and_bounded_memory(
             clock.now = i * 1e-5
             det.observe(start(666, i, clock.now))
         det.tick()
-    from monitor.detect.detector import MAX_OPEN_PER_WRITER
+    from monitor.detect.pairing import MAX_OPEN_PER_WRITER
     assert det.open_writes == MAX_OPEN_PER_WRITER
     assert det.refused_starts["writer_open_limit"] == FLOOD - MAX_OPEN_PER_WRITER
     assert len(det._paths[PATH].entries) <= MAX_OPEN_PER_WRITER
@@ -619,7 +621,7 @@ def test_two_silent_writers_are_reported_once_while_still_in_flight():
 
 
 def test_open_writes_are_capped_per_path_and_the_excess_ends_still_count():
-    from monitor.detect.detector import MAX_OPEN_PER_PATH, MAX_OPEN_PER_WRITER
+    from monitor.detect.pairing import MAX_OPEN_PER_PATH, MAX_OPEN_PER_WRITER
     clock = FakeClock(0.0)
     det = make(clock, pid_alive=lambda node, pid: True)
     writers = MAX_OPEN_PER_PATH // MAX_OPEN_PER_WRITER + 1
@@ -678,7 +680,7 @@ def test_remote_write_overlapping_a_local_one_is_a_job_scope_collision():
     assert remote_write.reporter == 11 and c.to_record()["writers"][1]["reported_by"] == 11
     # The id depends on the run, the path and the writes only: the other agent, which holds
     # the same two writes the other way round, derives the same.
-    from monitor.detect.detector import job_collision_id
+    from monitor.detect.grouping import job_collision_id
     assert c.id == job_collision_id(sorted(map(repr, {w.writer.run_key for w in c.writes})),
                                     PATH, tuple(reversed(c.writes)))
 
@@ -696,7 +698,7 @@ def test_remote_writes_need_the_reporters_own_write_of_the_path():
 
 
 def test_a_remote_write_reported_many_times_counts_once_and_a_path_holds_few():
-    from monitor.detect.detector import MAX_REMOTE_PER_PATH
+    from monitor.detect.remote import MAX_REMOTE_PER_PATH
     clock = FakeClock(0.0)
     det = make(clock, settle=0.5, job_settle=1.0)
     feed(det, clock, [(0.0, dist_start(11, 1, 0.0)), (1.0, dist_end(11, 1, 1.0, 0.0))])
@@ -805,7 +807,7 @@ def test_a_paths_entries_keep_insorts_order_with_ties_late_starts_and_nan():
     also once a NaN start (which compares false with everything) is in it."""
     from bisect import insort
 
-    from monitor.detect.detector import _Entry, _PathState, _sort_key
+    from monitor.detect.tracked import Entry as _Entry, PathState as _PathState, sort_key as _sort_key
     from monitor.detect.model import Writer
     writer = Writer("n1", 1)
     for seed in range(200):
@@ -823,7 +825,8 @@ def test_a_paths_entries_keep_insorts_order_with_ties_late_starts_and_nan():
 def test_grouping_a_list_in_start_order_matches_grouping_after_the_sort():
     from bisect import insort
 
-    from monitor.detect.detector import _Entry, _sort_key, group_writes
+    from monitor.detect.grouping import group_writes
+    from monitor.detect.tracked import Entry as _Entry, sort_key as _sort_key
     from monitor.detect.model import Writer
     for seed in range(200):
         rng = random.Random(seed)

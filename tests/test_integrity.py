@@ -508,8 +508,8 @@ def test_memo_bomb_through_the_verifier_worker_stays_small(tmp_path):
     child process under a 400 MB address-space cap, peak RSS measured."""
     from helpers import subprocess_env
     bomb = corpus.memo_bomb(str(tmp_path / "bomb.pt"), 2 ** 27)
-    code = ("import json, sys; from monitor.verify.worker import Verifier; "
-            "v = Verifier().verify(sys.argv[1]); print(json.dumps(v.to_record()))")
+    code = ("import dataclasses, json, sys; from monitor.verify.worker import Verifier; "
+            "v = Verifier().verify(sys.argv[1]); print(json.dumps(dataclasses.asdict(v)))")
     rc, out, err, peak = corpus.run_measured(["-c", code, bomb],
                                              env=subprocess_env(), limit_bytes=400 << 20)
     assert rc == 0, err

@@ -143,3 +143,24 @@ def test_hook_reported_paths_cannot_fill_the_queue_for_watched_ones():
         v.submit(f"/flood/{i}.pt", readers=(flooder,))
     assert v.skipped_total == 12
     assert v.submit("/watched/ckpt.pt", readers=None)
+
+
+def test_a_verification_becomes_a_finding_with_every_journaled_field():
+    """The agent hands a Verification to the exporters as a Finding (monitor.agent.daemon):
+    its journal record carries every field but set_dir, the kind's own after the common."""
+    import dataclasses
+
+    from monitor.agent.daemon import verification_finding
+    from monitor.detect.model import FINDING_VERIFICATION
+    from monitor.verify.worker import Verification
+    v = Verification(path="/c/x.pt", result="corrupt", format="torch-zip",
+                     reason="truncated: 10 of 20 bytes", cause="truncated", deep=True,
+                     bytes=10, seconds=0.25, job="j1", collision_id="3f2a", wall=5.0,
+                     set_dir="/c")
+    finding = verification_finding(v)
+    assert (finding.kind, finding.get("result"), finding.job) == \
+        (FINDING_VERIFICATION, "corrupt", "j1")
+    record = finding.to_record()
+    fields = {f.name: getattr(v, f.name) for f in dataclasses.fields(v) if f.name != "set_dir"}
+    assert record == {"type": "verification", **fields}
+    assert list(record)[:4] == ["type", "path", "job", "wall"]

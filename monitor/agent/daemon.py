@@ -36,7 +36,7 @@ from monitor.agent.config import Config
 from monitor.agent.jobreports import JobScopeEvents
 from monitor.detect.detector import Detector
 from monitor.detect.merge import SourceMerger
-from monitor.detect.model import SOURCE_FS, Collision, Finding, Write
+from monitor.detect.model import FINDING_VERIFICATION, SOURCE_FS, Collision, Finding, Write
 from monitor.detect.sizes import SizeHistory
 from monitor.fs.source import FILE_CHANGED, FILE_CLOSED, FileNotice, FsSource
 from monitor.ingest.inbox import Inbox
@@ -383,8 +383,12 @@ class Agent:
 
 
 def verification_finding(v: Verification) -> Finding:
-    """A verifier's verdict as a Finding (its journal record is the same either way)."""
-    return Finding.from_record(v.to_record())
+    """A verifier's verdict as the Finding the exporters take (monitor.verify may not import
+    the detect model, so the agent converts)."""
+    return Finding(kind=FINDING_VERIFICATION, path=v.path, job=v.job, wall=v.wall,
+                   details={"result": v.result, "format": v.format, "reason": v.reason,
+                            "cause": v.cause, "deep": v.deep, "bytes": v.bytes,
+                            "seconds": v.seconds, "collision_id": v.collision_id})
 
 
 def run(config: Config, stop: threading.Event | None = None) -> int:

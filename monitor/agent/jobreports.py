@@ -11,16 +11,13 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 
+from ckptwatch.events import WRITER_FIELDS
+from ckptwatch.jobrun import job_run
 from monitor.detect.model import FINDING_HAZARD, SOURCE_HOOK, Finding
 
 log = logging.getLogger("ckptwatch.agent")
 
 MAX_HAZARD_KEYS = 4096      # (run, path, kind) remembered for deduplication
-
-
-def _run(event: dict) -> tuple:
-    job = event.get("job")
-    return (job, event.get("master") if job in (None, "none") else None, event.get("restart"))
 
 
 class JobScopeEvents:
@@ -34,16 +31,17 @@ class JobScopeEvents:
 
     def hazard(self, event: dict) -> Finding | None:
         """The Finding for a hazard event, or None if this run's path already had it."""
-        key = (_run(event), event["path"], event["kind"])
+        # A run without a name is no other process's run: its hazards count per reporter.
+        run = (job_run(event.get("job"), event.get("master"), event.get("restart"))
+               or (event["node"], event["pid"]))
+        key = (run, event["path"], event["kind"])
         if key in self._seen:
             self._seen.move_to_end(key)
             return None
         self._seen[key] = None
         if len(self._seen) > self._max_keys:
             self._seen.popitem(last=False)
-        writer = {name: event.get(name) for name in ("node", "pid", "rank", "local_rank",
-                                                     "world_size", "node_rank", "job",
-                                                     "master", "restart", "site", "func")}
+        writer = {name: event.get(name) for name in WRITER_FIELDS + ("site", "func")}
         return Finding(kind=FINDING_HAZARD, path=event["path"], job=event.get("job") or "",
                        wall=event["wall"], node=event["node"], source=SOURCE_HOOK,
                        writers=(writer,),

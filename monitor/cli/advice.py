@@ -1,15 +1,14 @@
-"""What to change in the training code after a collision: the fix `ckptwatch report` prints
-(table and timeline), from who wrote the path and from where.
+"""Which fix `ckptwatch report` (table and timeline) suggests for a collision, from who wrote
+the path and from where. The texts themselves are ckptwatch/advice.py's, the one place the
+warn policy's warning, lint and report all take them from.
 """
 from __future__ import annotations
 
+from ckptwatch.advice import (FIX, GUARD_FIX, GUARD_FIX_SITES, JOBS_FIX, LOCAL_RANK_NOTE,
+                              OWN_PATH_FIX, PROCESS_FIX)
 from monitor.detect.model import Collision
 
-GUARD_FIX = ("guard this call site with a global-rank-0 check "
-             "(torch.distributed.get_rank() == 0)")
-LOCAL_RANK_NOTE = ("note LOCAL_RANK == 0 is one writer per node, still colliding on shared "
-                   "storage")
-OWN_PATH_FIX = "give each rank its own path"
+__all__ = ["FIX", "GUARD_FIX", "OWN_PATH_FIX", "suggest_fix"]
 
 
 def suggest_fix(c: Collision) -> str:
@@ -18,19 +17,14 @@ def suggest_fix(c: Collision) -> str:
     jobs = {w.job for w in writers}
     runs = {w.run_key for w in writers}
     if len(jobs) > 1 or (None not in runs and len(runs) > 1):
-        return ("different jobs (or restarts) write this path: give each job its own output "
-                "directory")
+        return JOBS_FIX
     if any(w.rank is None for w in writers):
-        return "make only one process write this path, or give each process its own path"
+        return PROCESS_FIX
     sites = {w.site for w in c.writes}
     nodes = {w.node for w in writers}
     node_local = len(nodes) > 1 or (len(writers) > 1
                                     and all(w.local_rank == 0 for w in writers))
-    if len(sites) > 1:
-        guard = GUARD_FIX.replace("this call site", "each of these call sites")
-    else:
-        guard = GUARD_FIX
+    guard = GUARD_FIX_SITES if len(sites) > 1 else GUARD_FIX
     if node_local:
         guard += " -- " + LOCAL_RANK_NOTE
     return f"{guard}; or {OWN_PATH_FIX}"
-

@@ -18,7 +18,7 @@ import json
 import os
 import sys
 
-from monitor.lint import CODES, Finding, lint_source
+from monitor.lint import CODES, LintFinding, lint_source
 from monitor.lint.checker import UNREADABLE
 
 EXIT_OK = 0
@@ -69,14 +69,14 @@ def find_sources(paths):
     return files, missing
 
 
-def lint_file(path: str, assume_distributed: bool = False) -> list[Finding]:
+def lint_file(path: str, assume_distributed: bool = False) -> list[LintFinding]:
     try:
         with open(path, "rb") as f:
             data = f.read()
         source = data.decode("utf-8-sig")
     except (OSError, UnicodeDecodeError) as err:
         reason = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
-        return [Finding(path, 1, 1, UNREADABLE, f"cannot read: {reason}")]
+        return [LintFinding(path, 1, 1, UNREADABLE, f"cannot read: {reason}")]
     return lint_source(source, path, assume_distributed=assume_distributed)
 
 

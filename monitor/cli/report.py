@@ -19,7 +19,7 @@ import time
 
 from exporters.journal import SYSTEM_JOURNAL_PATH, default_journal_path
 from exporters.logline import call_sites, clean
-from monitor.cli.advice import GUARD_FIX, OWN_PATH_FIX, suggest_fix
+from monitor.cli.advice import FIX, suggest_fix
 from monitor.cli.journalview import JournalSummary, summarize
 from monitor.cli.textfmt import clock_time, human_bytes, keep_head, keep_tail, wrapped
 from monitor.detect.model import KIND_CONCURRENT, Collision, Write
@@ -168,7 +168,7 @@ def render_hazards(hazards: list, width: int = 80) -> str:
         ranks = h.get("ranks") or []
         if ranks:
             lines += wrapped("ranks writing it: ", ", ".join(str(r) for r in ranks), width)
-        lines += wrapped("fix: ", GUARD_FIX + "; or " + OWN_PATH_FIX, width)
+        lines += wrapped("fix: ", FIX, width)
     return "\n".join(line if len(line) <= width else keep_head(line, width) for line in lines)
 
 

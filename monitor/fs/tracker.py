@@ -18,7 +18,8 @@ from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from ckptwatch.events import SCHEMA_VERSION
-from monitor.detect.model import FINDING_SIZE_FLUCTUATION, FINDING_TORN_READ, Finding
+from monitor.detect.model import (FINDING_SIZE_FLUCTUATION, FINDING_TORN_READ, OUTCOME_LOST,
+                                  Finding)
 from monitor.fs.fanotify import FAN_CLOSE_NOWRITE, FAN_CLOSE_WRITE, FAN_MODIFY, FAN_OPEN
 from monitor.fs.watch import (CLOSED_NOWRITE, CLOSED_WRITE, CREATED, DELETED, MODIFIED, MOVED,
                              OPENED, OVERFLOW, ROOT_LOST, SOURCE_FS, FsEvent, _size)
@@ -28,7 +29,6 @@ from monitor.fs.watch import (CLOSED_NOWRITE, CLOSED_WRITE, CREATED, DELETED, MO
 # (node, pid, seq) pairing never mixes an fs interval with a hook interval of the same pid.
 FS_SEQ_BASE = 1 << 48
 OUTCOME_DELETED = "deleted"
-OUTCOME_LOST = "lost"
 
 
 @dataclass

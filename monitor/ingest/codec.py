@@ -19,10 +19,11 @@ only ever *accepts*, and only payloads on which it provably yields the reference
   reject and its reason are the reference's own. Rejects are rare and bounded in size.
 
 Validation is the reference's validate(), memoised: for a start or end event its verdict
-depends only on the kind, which fields are present with which value types, and three values
-(v == 1, pid > 0, an absolute path). So the event's shape -- its keys in order and the types
-of its values, two tuples built in C -- looked up in the set of shapes the reference accepted
-replaces a dozen checks per event; a shape not seen yet goes to validate() itself. The sets
+depends only on the kind, which fields are present with which value types, and the values
+events.write_values_valid() checks (the version, pid > 0, an absolute path, finite times).
+So the event's shape -- its keys in order and the types of its values, two tuples built in
+C -- looked up in the set of shapes the reference accepted, and then write_values_valid(),
+replace a dozen checks per event; a shape not seen yet goes to validate() itself. The sets
 are bounded in count and in key length (MAX_SHAPES, _MAX_SHAPE_KEYS): a sender can invent
 shapes without end, and past the bound validate() judges each new one.
 
@@ -32,8 +33,6 @@ events, valid and not.
 from __future__ import annotations
 
 import json
-
-from math import isfinite
 
 from ckptwatch import events
 
@@ -63,12 +62,9 @@ def validate(event: object) -> dict:
         if accepted is not None:
             shape = (tuple(event), tuple(map(type, event.values())))
             if shape in accepted:
-                # The shape has v, pid and path, as int, int and str, and its times as numbers:
-                # the reference accepted it. Values it checks beyond types are checked here.
-                if (event["v"] == 1 and event["pid"] > 0 and event["path"][:1] == "/"
-                        and isfinite(event["wall"]) and isfinite(event["mono"])
-                        and (kind == "start" or (isfinite(event["start_wall"])
-                                                 and isfinite(event["start_mono"])))):
+                # The reference accepted this shape (v, pid and path as int, int and str, its
+                # times as numbers): what it checks beyond types are the contract's rules.
+                if events.write_values_valid(event):
                     return event
             else:
                 events.validate(event)      # raises the reference's reason

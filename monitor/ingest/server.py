@@ -67,13 +67,12 @@ from typing import Callable
 
 from ckptwatch import events
 from monitor.ingest import codec
-from monitor.ingest.connections import (EVICT_REASONS, REFUSE_REASONS, Connection,
-                                        Connections, last_active)
+from monitor.ingest.connections import Connection, Connections, last_active
 from monitor.ingest.socketfile import AgentAlreadyRunning, IngestError, SocketFile
 
-# start() raises the errors; refused and evicted count by the reasons.
+# start() raises the errors (refused and evicted count by monitor.ingest.connections' reasons).
 __all__ = ["IngestServer", "IngestError", "AgentAlreadyRunning", "RIGHTS", "MAX_NOTICES",
-           "ACK_INTERVAL", "REFUSE_REASONS", "EVICT_REASONS"]
+           "ACK_INTERVAL"]
 
 log = logging.getLogger("ckptwatch.ingest")
 

@@ -24,6 +24,7 @@ import re
 import tokenize
 from dataclasses import dataclass, field
 
+from ckptwatch.advice import FIX
 from monitor.lint import guards
 from monitor.lint.guards import ALL, NODE, ONE
 
@@ -56,7 +57,9 @@ _GUARD_DECORATORS = {"rank_zero_only": ONE, "on_main_process": ONE,
 
 
 @dataclass(frozen=True, order=True)
-class Finding:
+class LintFinding:
+    """One report of `ckptwatch lint`: where in the source, which rule, what to change."""
+
     path: str
     line: int
     col: int            # 1-based, as ruff and flake8 print it
@@ -96,7 +99,7 @@ class _Unit:
 
 
 def lint_source(source: str, path: str = "<string>",
-                assume_distributed: bool = False) -> list[Finding]:
+                assume_distributed: bool = False) -> list[LintFinding]:
     """Findings for one module's source, suppressions applied, sorted by position."""
     try:
         tree = ast.parse(source, filename=path)
@@ -104,19 +107,19 @@ def lint_source(source: str, path: str = "<string>",
         line = getattr(err, "lineno", None) or 1
         col = getattr(err, "offset", None) or 1
         msg = getattr(err, "msg", None) or str(err)
-        return [Finding(path, line, col, UNREADABLE, f"syntax error: {msg}")]
+        return [LintFinding(path, line, col, UNREADABLE, f"syntax error: {msg}")]
     except (RecursionError, MemoryError):
-        return [Finding(path, 1, 1, UNREADABLE, "too deeply nested to parse")]
+        return [LintFinding(path, 1, 1, UNREADABLE, "too deeply nested to parse")]
     try:
         module = _Module(tree)
         if not (assume_distributed or module.distributed):
             return []
-        findings = [Finding(path, call.lineno, call.col_offset + 1, code, message)
+        findings = [LintFinding(path, call.lineno, call.col_offset + 1, code, message)
                     for call, code, message in module.findings()]
     except RecursionError:
         # The walk recurses per nesting level; code nested past the interpreter's limit is
         # reported as unchecked rather than crashing the whole run.
-        return [Finding(path, 1, 1, UNREADABLE, "too deeply nested to analyse")]
+        return [LintFinding(path, 1, 1, UNREADABLE, "too deeply nested to analyse")]
     suppressed = _suppressions(source)
     return sorted(f for f in findings if not _is_suppressed(f, suppressed, module.spans))
 
@@ -278,9 +281,7 @@ class _Module:
                     continue
                 effective = min(guarded, w.path_level)
                 if effective == ALL:
-                    yield (w.call, UNGUARDED,
-                           f"{w.what} runs on every rank; guard it with "
-                           "`if dist.get_rank() == 0:` or put the rank in the path")
+                    yield (w.call, UNGUARDED, f"{w.what} runs on every rank; {FIX}")
                 elif effective == NODE and guarded == NODE and w.each_node:
                     yield (w.call, LOCAL_ONLY,
                            f"{w.what} saves on each node (save_on_each_node=True): nodes "
@@ -653,7 +654,7 @@ def _suppressions(source: str) -> dict:
     return out
 
 
-def _is_suppressed(finding: Finding, suppressed: dict, spans: dict) -> bool:
+def _is_suppressed(finding: LintFinding, suppressed: dict, spans: dict) -> bool:
     """A comment on any line of the call suppresses it (a long call wraps)."""
     last = spans.get(finding.line, finding.line)
     for line in range(finding.line, last + 1):

@@ -54,7 +54,8 @@ MAX_REMEMBERED = 10000      # files whose last verified (size, mtime, inode) is 
 
 @dataclass(frozen=True)
 class Verification:
-    """One verified file: the journal's "verification" record and the metrics' input."""
+    """One verified file: the metrics' input and, as a Finding (monitor.agent.daemon), the
+    journal's "verification" record."""
 
     path: str
     result: str                       # one of RESULTS
@@ -68,12 +69,6 @@ class Verification:
     collision_id: str = ""            # the collision that wrote this path, if one did
     wall: float = 0.0
     set_dir: str = ""                 # the checkpoint set this file may belong to (not journaled)
-
-    def to_record(self) -> dict:
-        return {"type": "verification", "path": self.path, "result": self.result,
-                "format": self.format, "reason": self.reason, "cause": self.cause,
-                "deep": self.deep, "bytes": self.bytes, "seconds": self.seconds,
-                "job": self.job, "collision_id": self.collision_id, "wall": self.wall}
 
 
 MAX_SENDERS = 4            # distinct senders remembered per due path; any one may grant a read
@@ -91,6 +86,17 @@ def _content_free(verdict: integrity.Verdict) -> str:
     if reason.startswith("verifier error: "):
         return reason.split(":", 2)[0] + ":" + reason.split(":", 2)[1]   # the type, no message
     return reason
+
+
+def _verification(path: str, verdict: integrity.Verdict, deep: bool, size: int | None,
+                  seconds: float, job: str = "", collision_id: str = "",
+                  wall: float = 0.0) -> Verification:
+    """A verdict on `path` (a file, or a set's directory) as its content-free Verification."""
+    cause = ""
+    if verdict.status == integrity.CORRUPT:
+        cause = verdict.details.get("cause") or integrity.corrupt_cause(verdict.reason)
+    return Verification(path, verdict.status, verdict.format, _content_free(verdict), cause,
+                        deep, size, seconds, job, collision_id, wall)
 
 
 @dataclass(frozen=True)
@@ -347,13 +353,8 @@ class Verifier:
         for s in checkpoint_sets.find_sets(directory, checkpoint_sets.listing(directory)):
             started = time.monotonic()
             v = checkpoint_sets.verify_set(s, runs=runs, follow_symlinks=False)
-            cause = v.details.get("cause", "") if v.status == integrity.CORRUPT else ""
-            reason = v.reason
-            if reason.startswith("verifier error: "):
-                reason = reason.split(":", 2)[0] + ":" + reason.split(":", 2)[1]
-            out.append(Verification(directory, v.status, v.format, reason, cause, False,
-                                    v.details.get("bytes"), time.monotonic() - started,
-                                    wall=self._wall()))
+            out.append(_verification(directory, v, False, v.details.get("bytes"),
+                                     time.monotonic() - started, wall=self._wall()))
         return out
 
     def drain(self) -> list[Verification]:
@@ -421,12 +422,8 @@ class Verifier:
         deep = size is not None and size <= self.deep_max_bytes
         verdict = integrity.verify(source, deep=deep, max_bytes_per_second=self.max_rate,
                                    name=path)
-        cause = ""
-        if verdict.status == integrity.CORRUPT:
-            cause = verdict.details.get("cause") or integrity.corrupt_cause(verdict.reason)
-        return Verification(path, verdict.status, verdict.format, _content_free(verdict),
-                            cause, deep, size, time.monotonic() - started, job, collision_id,
-                            self._wall())
+        return _verification(path, verdict, deep, size, time.monotonic() - started, job,
+                             collision_id, self._wall())
 
     def _run(self) -> None:
         while True:
