@@ -10,7 +10,7 @@ import time
 import pytest
 
 from ckptwatch import events
-from monitor.ingest.server import server
+from monitor.ingest import server as ingest
 from monitor.ingest.server import IngestServer
 from test_ingest import Recorder, connect, start_event
 from helpers import wait_for
