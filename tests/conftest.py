@@ -5,7 +5,9 @@ import threading
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# The one place the shared helpers (tests/support/) are put on the path: test files in both
+# tiers, and scripts run from them, import them by module name (`from helpers import wait_for`).
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "support"))
 from helpers import remove_tree, short_tmpdir  # noqa: E402
 
 # Tiers (markers registered in pyproject.toml): `-m "not e2e"` is the fast tier; a test marked

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from agentproc import EventSender, launch_agent, start_agent
-from helpers import wait_for
+from helpers import REPO_ROOT, wait_for
 from ckptwatch import events
 
 # Settle quickly so a collision is final ~0.2 s after its last write ends.
@@ -179,7 +179,7 @@ def test_port_in_use_exits_1(workdir):
 def test_python_agent_py_help():
     proc = subprocess.run([sys.executable, "agent.py", "--help"], capture_output=True,
                           text=True, timeout=60,
-                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+                          cwd=REPO_ROOT)
     assert proc.returncode == 0
     assert "--web.listen-address" in proc.stdout and "--ingest.socket" in proc.stdout
 

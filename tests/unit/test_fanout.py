@@ -13,7 +13,9 @@ def make_write(pid, start=0.0, end=1.0):
                  end_mono=end, bytes=10, outcome="ok")
 
 
-class Recorder:
+class RecordingExporter:
+    """An exporter that records every call the fan-out makes on it, in order."""
+
     def __init__(self):
         self.calls = []
 
@@ -33,7 +35,7 @@ class Recorder:
         self.calls.append(("close",))
 
 
-class Broken(Recorder):
+class Broken(RecordingExporter):
     def publish_write(self, write):
         raise RuntimeError("exporter bug")
 
@@ -42,7 +44,7 @@ class Broken(Recorder):
 
 
 def test_every_exporter_gets_every_value_even_after_one_fails(caplog):
-    first, second = Broken(), Recorder()
+    first, second = Broken(), RecordingExporter()
     fan = Fanout([first, second])
     a, b = make_write(1), make_write(2, 0.5, 1.5)
     with caplog.at_level(logging.ERROR, logger="ckptwatch.agent"):

@@ -13,26 +13,10 @@ import pytest
 from ckptwatch import events
 from helpers import subprocess_env, wait_for
 from monitor.ingest.server import IngestServer
+from wire import Recorder, start_event
 
 NOBODY, NOGROUP = 65534, 65533
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run peers as other uids")
-
-
-def start_event(pid, seq=1):
-    return {"v": 1, "type": "start", "node": "n1", "pid": pid, "seq": seq, "rank": 0,
-            "path": "/ckpt/last.pt", "site": "train.py:10", "func": "save",
-            "wall": time.time(), "mono": time.monotonic()}
-
-
-class Recorder:
-    def __init__(self):
-        self.events, self.rejects = [], []
-
-    def on_event(self, event):
-        self.events.append(event)
-
-    def on_reject(self, reason):
-        self.rejects.append(reason)
 
 
 @pytest.fixture
@@ -170,7 +154,7 @@ def test_full_agent_evicts_the_biggest_holder_not_the_newcomer(make_server, peer
         assert first.send() == "sent"
         wait_for(lambda: delivered_from(srv, first.proc.pid))
         for s in mine:                                # and none of the smaller holder's
-            s.sendall(events.encode(start_event(os.getpid())))
+            s.sendall(events.encode(start_event()))
         wait_for(lambda: len(delivered_from(srv, os.getpid())) == 4)
     finally:
         for s in mine:
@@ -200,7 +184,7 @@ def test_stalled_partial_frame_is_closed_idle_connection_is_not(make_server):
     srv = make_server(frame_timeout=0.5)
     stalled, idle = hold(srv.path, 2)
     try:
-        frame = events.encode(start_event(os.getpid()))
+        frame = events.encode(start_event())
         stalled.sendall(frame[:3])           # a header never finished (slowloris)
         stalled.settimeout(5)
         assert stalled.recv(1) == b""        # the agent hung up
@@ -251,7 +235,7 @@ def test_job_scope_events_are_rate_limited_per_connection_writes_are_not(make_se
     sock.connect(srv.path)
     flood = 4 * int(JOB_SCOPE_BURST)
     frames = b"".join(events.encode(hazard_event(os.getpid(), i)) for i in range(flood))
-    frames += b"".join(events.encode(start_event(os.getpid(), seq)) for seq in range(1, 101))
+    frames += b"".join(events.encode(start_event(seq)) for seq in range(1, 101))
     sock.sendall(frames)
     wait_for(lambda: len(srv.rec.events) + len(srv.rec.rejects) >= flood + 100, timeout=20)
     sock.close()

@@ -24,7 +24,7 @@ MODES = ["inotify", "polling"]
 POLL = 0.1
 
 
-class Recorder:
+class FsEventLog:
     """Collects FsEvents and rescans from watcher threads."""
 
     def __init__(self):
@@ -57,7 +57,7 @@ def watch(tmp_path, no_thread_leak):
     started = []
 
     def make(mode, roots=None, cls=Watcher, **kw):
-        rec = Recorder()
+        rec = FsEventLog()
         kw.setdefault("poll_interval", POLL)
         kw.setdefault("rearm_interval", POLL)
         w = cls(roots or [str(tmp_path)], mode=mode, on_event=rec, on_rescan=rec.rescan, **kw)

@@ -1,7 +1,7 @@
 """End to end: CKPTWATCH_POLICY=atomic under real 4-rank torchrun races (gloo, CPU).
 
 Every rank saves its own state (monitor.cli.demo_job's) to one path at once, after a barrier,
-in 20 rounds with a path per round (tests/corpus.py's race worker), under `ckptwatch run` with
+in 20 rounds with a path per round (tests/support/corpus.py's race worker), under `ckptwatch run` with
 a real agent. With the atomic policy every checkpoint must load and be exactly one rank's
 state, no temporary file may be left, and the agent must still report the collisions: the
 guard is still missing, only the damage is gone.
@@ -44,7 +44,7 @@ def race(agent, job: str, out: str) -> None:
                                            if env.get("PYTHONPATH") else "")})
     cmd = [sys.executable, "-m", "monitor.cli", "run", "--socket", agent.socket, "--",
            sys.executable, "-m", "torch.distributed.run", "--standalone",
-           "--nproc-per-node", str(NPROC), os.path.join(REPO_ROOT, "tests", "corpus.py"),
+           "--nproc-per-node", str(NPROC), os.path.join(REPO_ROOT, "tests", "support", "corpus.py"),
            "--out", out, "--rounds", str(RUNS), "--width", WIDTH]
     result = subprocess.run(cmd, env=env, cwd=REPO_ROOT, capture_output=True, text=True,
                             timeout=240)

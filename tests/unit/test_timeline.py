@@ -21,8 +21,8 @@ from monitor.cli import timeline
 from monitor.cli.report import add_arguments, run, summarize
 from monitor.cli.timeline import (AXIS_H, AXIS_PAD, COLOR_CONCURRENT, COLOR_OVERLAP,
                                   COLOR_WRITE, LABEL_W, PLOT_W, ROW_H, render_html)
-from tests import incident
-from tests.incident import LAST, LAST_WRITES, WALL0, write, write_incident_journal
+import incident
+from incident import LAST, LAST_WRITES, WALL0, write, write_incident_journal
 
 
 class Page(HTMLParser):

@@ -346,7 +346,7 @@ for v in sets.verify_directory(d) + sets.verify_directory(h):
 
 
 def test_hostile_set_indexes_stay_under_the_memory_bound():
-    here = os.path.dirname(os.path.abspath(__file__))
+    here = os.path.dirname(os.path.abspath(corpus.__file__))      # tests/support/
     rc, out, err, peak = corpus.run_measured(["-c", _BOMB_SCRIPT, here],
                                              env=subprocess_env(), limit_bytes=400 << 20,
                                              timeout=240)

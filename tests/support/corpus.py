@@ -9,7 +9,7 @@ Worker side: run under torchrun, every rank saves the same kind of state as moni
 per round, `--rounds` times, with a barrier before each save so the writes overlap. One
 launch gives many races: a torchrun start costs ~10 s on 2 cores, a round ~0.3 s.
 
-    python -m torch.distributed.run --standalone --nproc-per-node 4 tests/corpus.py \
+    python -m torch.distributed.run --standalone --nproc-per-node 4 tests/support/corpus.py \
         --out DIR --rounds 20 --width 2048
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ import subprocess
 import sys
 import zipfile
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 

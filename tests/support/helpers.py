@@ -7,7 +7,8 @@ import socket
 import tempfile
 import time
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# tests/support/ -> the repository
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def wait_for(predicate, timeout: float = 10.0, interval: float = 0.02, message: str = ""):

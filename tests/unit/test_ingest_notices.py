@@ -11,8 +11,8 @@ import pytest
 from ckptwatch import events
 from monitor.ingest import server as ingest
 from monitor.ingest.server import IngestServer
-from test_ingest import Recorder, connect, start_event
 from helpers import wait_for
+from wire import Recorder, connect, start_event
 
 
 @pytest.fixture

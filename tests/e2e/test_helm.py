@@ -13,8 +13,8 @@ import pytest
 import yaml
 
 from helpers import REPO_ROOT
-from k8sdocs import load_all, pod_specs, restricted_violations, validate
-from test_k8s import agent_container, check_sidecar_pod
+from k8sdocs import (agent_container, check_sidecar_pod, load_all, pod_specs,
+                     restricted_violations, validate)
 
 pytest.importorskip("kubernetes_validate", reason="kubernetes-validate not installed")
 pytestmark = pytest.mark.e2e

@@ -14,9 +14,9 @@ import yaml
 
 from ckptwatch import paths
 from helpers import REPO_ROOT
-from k8sdocs import (CRD_CHECKS, K8S_VERSION, baseline_violations, containers, load_all,
-                     pod_specs, restricted_violations, validate)
-from monitor.agent import config
+from k8sdocs import (AGENT_UID, CRD_CHECKS, K8S_VERSION, agent_container, baseline_violations,
+                     check_sidecar_pod, load_all, parse_quantity, pod_specs, restricted_violations,
+                     validate)
 
 pytest.importorskip("kubernetes_validate", reason="kubernetes-validate not installed "
                     "(requirements-test.txt)")
@@ -27,7 +27,6 @@ SIDECAR_DIR = os.path.join(K8S, "sidecar")
 UNIT = os.path.join(REPO_ROOT, "deploy", "systemd", "ckptwatch-agent.service")
 HELM_VALUES = os.path.join(REPO_ROOT, "deploy", "helm", "ckptwatch", "values.yaml")
 SIDECAR_WORKLOADS = ("job.yaml", "pytorchjob.yaml")
-AGENT_UID = 65532
 
 
 def manifest_files():
@@ -49,25 +48,6 @@ def the(kind, directory):
              for d in load_all(os.path.join(directory, name)) if d["kind"] == kind]
     assert len(found) == 1, (kind, directory, len(found))
     return found[0]
-
-
-def agent_container(spec):
-    (agent,) = [c for c in containers(spec) if c.get("image", "").startswith("ckptwatch:")
-                and c["name"] != "prepare-host-dirs"]
-    return agent
-
-
-def agent_config(args):
-    """The agent's Config for `args`, and its --ingest.socket-group as a number. The group is
-    taken out before loading: config checks that the gid exists, which it does in the image
-    (group ckptwatch, 65532) but need not on the test host."""
-    group = [a for a in args if a.startswith("--ingest.socket-group=")]
-    cfg = config.load([a for a in args if a not in group])
-    return cfg, (int(group[0].split("=", 1)[1]) if group else None)
-
-
-def env_of(container):
-    return {e["name"]: e for e in container.get("env", [])}
 
 
 # --- schemas ------------------------------------------------------------------------------
@@ -235,57 +215,6 @@ def test_sidecar_wiring(name):
         check_sidecar_pod(spec, doc["kind"])
 
 
-def check_sidecar_pod(spec, kind):
-    """The sidecar pod's contract (also applied to the Helm chart's example Job)."""
-    assert spec["shareProcessNamespace"] is True      # the agent's pid check sees the trainer
-    assert "hostPID" not in spec
-    agent = agent_container(spec)
-    assert agent in spec["initContainers"] and agent["restartPolicy"] == "Always"
-    cfg, socket_group = agent_config(agent["args"])
-    trainer = next(c for c in spec["containers"] if c["name"] in ("train", "pytorch"))
-    env = env_of(trainer)
-    # The hook sends exactly where the agent listens.
-    assert env["CKPTWATCH_SOCKET"]["value"] == cfg.socket
-    for c in (agent, trainer):
-        assert env_of(c)["CKPTWATCH_NODE"]["valueFrom"]["fieldRef"]["fieldPath"] == \
-            "spec.nodeName"
-    job_field = env["CKPTWATCH_JOB"]["valueFrom"]["fieldRef"]["fieldPath"]
-    assert job_field == {"Job": "metadata.labels['batch.kubernetes.io/job-name']",
-                         "PyTorchJob": "metadata.labels['training.kubeflow.org/job-name']"}[kind]
-
-    volumes = {v["name"]: v for v in spec["volumes"]}
-    agent_mounts = {m["mountPath"]: m for m in agent["volumeMounts"]}
-    trainer_mounts = {m["mountPath"]: m for m in trainer["volumeMounts"]}
-    # The socket sits in a subdirectory of an emptyDir: the emptyDir itself is 0777, which
-    # the agent refuses; the subdirectory is the agent's own.
-    sock_dir = os.path.dirname(cfg.socket)
-    mount_dir = os.path.dirname(sock_dir)
-    assert sock_dir not in agent_mounts and mount_dir in agent_mounts
-    vol = agent_mounts[mount_dir]["name"]
-    assert "emptyDir" in volumes[vol]
-    assert trainer_mounts[mount_dir]["name"] == vol
-    assert trainer_mounts[mount_dir]["readOnly"] is True
-    assert not agent_mounts[mount_dir].get("readOnly", False)
-    # uids: the agent its own, the trainer another; the socket's group joins them.
-    pod_sc = spec["securityContext"]
-    assert agent["securityContext"]["runAsUser"] == AGENT_UID
-    assert pod_sc["runAsUser"] != AGENT_UID
-    assert socket_group == AGENT_UID and AGENT_UID in pod_sc["supplementalGroups"]
-    # Checkpoints are read by the agent at the trainer's paths, read-only.
-    shared = [p for p in trainer_mounts if p != mount_dir and p in agent_mounts]
-    assert shared, "mount the checkpoint volume in the agent too"
-    for p in shared:
-        assert agent_mounts[p]["readOnly"] is True
-        assert agent_mounts[p]["name"] == trainer_mounts[p]["name"]
-    # Read-only root: the agent's writable places are volumes.
-    assert agent["securityContext"]["readOnlyRootFilesystem"] is True
-    assert os.path.dirname(cfg.journal_path) in agent_mounts and "/tmp" in agent_mounts
-    journal_volume = volumes[agent_mounts[os.path.dirname(cfg.journal_path)]["name"]]
-    limit = parse_quantity(journal_volume["emptyDir"]["sizeLimit"])
-    assert cfg.journal_max_bytes * (cfg.journal_backups + 1) < limit
-    assert agent["startupProbe"]["httpGet"]["path"] == "/healthz"
-
-
 def test_sidecar_podmonitor_finds_the_sidecars():
     pm = the("PodMonitor", SIDECAR_DIR)
     assert pm["spec"]["namespaceSelector"] == {"any": True}
@@ -316,19 +245,6 @@ def test_node_monitors_carry_the_kube_prometheus_stack_release_label():
 
 # --- limits agree everywhere --------------------------------------------------------------
 
-_UNITS = {"": 1, "k": 1000, "M": 1000**2, "G": 1000**3, "Ki": 1024, "Mi": 1024**2,
-          "Gi": 1024**3}
-
-
-def parse_quantity(q) -> float:
-    """A Kubernetes quantity ("512Mi", "1", "50m") as a number (bytes or cores)."""
-    q = str(q)
-    if q.endswith("m") and q[:-1].isdigit():
-        return int(q[:-1]) / 1000
-    number, unit = re.fullmatch(r"([\d.]+)([A-Za-z]*)", q).groups()
-    return float(number) * _UNITS[unit]
-
-
 def unit_limits():
     text = open(UNIT).read()
     memory = re.search(r"^MemoryMax=(\d+)([KMG]?)$", text, re.M)
@@ -358,4 +274,3 @@ def test_quantity_parser():
     assert parse_quantity("512Mi") == 512 * 1024**2
     assert parse_quantity("50m") == 0.05 and parse_quantity("1") == 1
     assert parse_quantity("1Gi") == 1024**3
-

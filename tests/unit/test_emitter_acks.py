@@ -13,15 +13,7 @@ from helpers import wait_for
 from ckptwatch import emitter as emitter_mod
 from ckptwatch import events
 from receiver import Receiver
-
-
-def event(kind: str, seq: int) -> dict:
-    now_wall, now_mono = time.time(), time.monotonic()
-    ev = {"v": 1, "type": kind, "node": "test-node", "pid": os.getpid(), "seq": seq,
-          "path": f"/tmp/ckpt-{seq}.pt", "wall": now_wall, "mono": now_mono}
-    if kind == "end":
-        ev.update(start_wall=now_wall, start_mono=now_mono, bytes=1, outcome="ok")
-    return ev
+from wire import end_event, start_event
 
 
 class Server:
@@ -63,14 +55,14 @@ class Server:
 def test_a_short_save_sends_no_start_and_a_long_one_sends_it_before_its_end(sock, make_emitter):
     with Receiver(sock) as rx:
         emitter = make_emitter(sock)
-        emitter.defer(1, event("start", 1))
+        emitter.defer(1, start_event(1))
         assert emitter.undefer(1) is True            # ended at once: its start never goes
-        emitter.emit(event("end", 1))
-        emitter.defer(2, event("start", 2))
+        emitter.emit(end_event(1))
+        emitter.defer(2, start_event(2))
         # Still running two sender turns later: the start goes, while the save runs.
         rx.wait_count("start", 1, timeout=5)
         assert emitter.undefer(2) is False
-        emitter.emit(event("end", 2))
+        emitter.emit(end_event(2))
         rx.wait_count("end", 2)
         assert [(e["type"], e["seq"]) for e in rx.events] == [("end", 1), ("start", 2),
                                                                ("end", 2)]
@@ -80,7 +72,7 @@ def test_flush_sends_the_start_of_a_save_still_running(sock, make_emitter):
     # At exit the sender must not keep a start back: the save may never end.
     with Receiver(sock) as rx:
         emitter = make_emitter(sock)
-        emitter.defer(7, event("start", 7))
+        emitter.defer(7, start_event(7))
         assert emitter.flush(5.0)
         assert [(e["type"], e["seq"]) for e in rx.wait_count("start", 1)] == [("start", 7)]
         assert emitter.undefer(7) is False
@@ -89,7 +81,7 @@ def test_flush_sends_the_start_of_a_save_still_running(sock, make_emitter):
 def test_every_connection_opens_with_a_hello_asking_for_acks(sock, make_emitter):
     with Receiver(sock) as rx:
         emitter = make_emitter(sock)
-        emitter.emit(event("end", 1))
+        emitter.emit(end_event(1))
         rx.wait_count("end", 1)
         assert rx.hellos == [{"v": 1, "type": "hello", "node": rx.hellos[0]["node"],
                               "pid": os.getpid(), "ack": True}]
@@ -99,7 +91,7 @@ def test_acknowledged_frames_are_forgotten(sock, make_emitter):
     with Receiver(sock, ack=True) as rx:
         emitter = make_emitter(sock)
         for seq in range(1, 101):
-            emitter.emit(event("end", seq))
+            emitter.emit(end_event(seq))
         rx.wait_count("end", 100)
         wait_for(lambda: emitter.stats()["unacked"] == 0, timeout=5,
                  message="every frame acknowledged")
@@ -109,7 +101,7 @@ def test_frames_the_agent_did_not_acknowledge_go_again_to_the_next_one(sock, mak
     server = Server(sock)
     emitter = make_emitter(sock)
     for seq in range(1, 11):
-        emitter.emit(event("end", seq))
+        emitter.emit(end_event(seq))
     server.accept()
     assert [f["type"] for f in server.read(11)] == ["hello"] + ["end"] * 10
     server.send(events.ack_frame(5))         # the hello and ends 1-4 were taken in
@@ -119,7 +111,7 @@ def test_frames_the_agent_did_not_acknowledge_go_again_to_the_next_one(sock, mak
         ends = rx.wait_count("end", 6, timeout=10)
         assert [e["seq"] for e in ends] == [5, 6, 7, 8, 9, 10]
         assert emitter.stats()["resent"] == 6
-        emitter.emit(event("end", 11))       # and the new connection carries on
+        emitter.emit(end_event(11))       # and the new connection carries on
         assert [e["seq"] for e in rx.wait_count("end", 7)][-1] == 11
         assert len(rx.hellos) == 1
 
@@ -129,13 +121,13 @@ def test_an_agent_that_never_acknowledges_gets_nothing_twice(sock, make_emitter)
     server = Server(sock)
     emitter = make_emitter(sock)
     for seq in range(1, 4):
-        emitter.emit(event("end", seq))
+        emitter.emit(end_event(seq))
     server.accept()
     server.read(4)
     server.drop()
     with Receiver(sock) as rx:
-        emitter.emit(event("end", 4))
-        emitter.emit(event("end", 5))
+        emitter.emit(end_event(4))
+        emitter.emit(end_event(5))
         rx.wait_count("end", 2)      # one connection keeps order: a resend would come first
         assert [e["seq"] for e in rx.events] == [4, 5]
         assert emitter.stats()["resent"] == 0
@@ -145,13 +137,13 @@ def test_what_is_kept_for_resending_is_bounded(sock, make_emitter, monkeypatch):
     monkeypatch.setattr(emitter_mod, "MAX_UNACKED", 50)
     server = Server(sock)
     emitter = make_emitter(sock)
-    emitter.emit(event("end", 1))
+    emitter.emit(end_event(1))
     server.accept()
     server.read(2)
     server.send(events.ack_frame(1))
     wait_for(lambda: emitter.stats()["unacked"] == 1, message="the first ack")
     for seq in range(2, 302):
-        emitter.emit(event("end", seq))
+        emitter.emit(end_event(seq))
     server.read(300)
     wait_for(lambda: emitter.stats()["sent"] == 301, message="all written and counted")
     stats = emitter.stats()
@@ -176,13 +168,13 @@ def test_what_is_kept_for_resending_is_bounded(sock, make_emitter, monkeypatch):
 def test_whatever_the_agent_sends_the_hook_carries_on(sock, make_emitter, garbage):
     server = Server(sock)
     emitter = make_emitter(sock)
-    emitter.emit(event("end", 1))
+    emitter.emit(end_event(1))
     server.accept()
     server.read(2)
     server.send(garbage)
     server.send(events.ack_frame(10 ** 6))     # more than was ever sent: no harm either
     for seq in range(2, 5):
-        emitter.emit(event("end", seq))
+        emitter.emit(end_event(seq))
     assert [f["seq"] for f in server.read(3)] == [2, 3, 4]
     stats = emitter.stats()
     assert stats["errors"] == 0 and stats["unacked"] >= 0
@@ -194,10 +186,10 @@ def test_a_job_scope_event_goes_after_the_start_of_the_save_it_names(sock, make_
     # agent takes them only for a save it already knows, so a held start goes out first.
     with Receiver(sock) as rx:
         emitter = make_emitter(sock)
-        emitter.defer(3, event("start", 3))
+        emitter.defer(3, start_event(3))
         emitter.emit({"v": 1, "type": "jobscope", "node": "test-node", "pid": os.getpid(),
                       "state": "active", "wall": time.time()})
         assert emitter.undefer(3) is False
-        emitter.emit(event("end", 3))
+        emitter.emit(end_event(3))
         rx.wait_count("end", 1)
         assert [e["type"] for e in rx.events] == ["start", "jobscope", "end"]

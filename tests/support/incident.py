@@ -1,8 +1,8 @@
 """A realistic incident journal for the timeline: 4 ranks on 2 nodes, every rank saving one path.
 
 Records are built by the agent's own model (to_record) and written by the real Journal, so they
-have the shape the agent writes. `python -m tests.incident JOURNAL` writes one (the README's
-docs/timeline.png is rendered from it: see docs/decisions.md).
+have the shape the agent writes. `python -m tests.support.incident JOURNAL` writes one (the
+README's docs/timeline.png is rendered from it: see docs/decisions.md).
 """
 from __future__ import annotations
 

@@ -295,7 +295,7 @@ def test_hostile_inputs_stay_under_the_memory_bound():
     """Every hostile input above, verified in one child under a 400 MB address-space cap:
     no verifier error, none ok, and the child's peak RSS stays under 120 MiB (interpreter
     ~16 MiB + the verifier's ~64 MiB bound + slack)."""
-    here = os.path.dirname(os.path.abspath(__file__))
+    here = os.path.dirname(os.path.abspath(corpus.__file__))      # tests/support/
     rc, out, err, peak = corpus.run_measured(["-c", _HOSTILE_SCRIPT, here],
                                              env=subprocess_env(), limit_bytes=400 << 20,
                                              timeout=240)

@@ -11,31 +11,9 @@ import time
 import pytest
 
 from helpers import wait_for
+from wire import Recorder, connect, start_event
 from ckptwatch import events
 from monitor.ingest.server import AgentAlreadyRunning, IngestError, IngestServer
-
-
-def start_event(pid=None, seq=1, path="/ckpt/last.pt", **extra):
-    now_wall, now_mono = time.time(), time.monotonic()
-    ev = {"v": 1, "type": "start", "node": "n1", "pid": os.getpid() if pid is None else pid,
-          "seq": seq, "rank": 0, "path": path, "site": "train.py:10", "func": "save",
-          "wall": now_wall, "mono": now_mono}
-    ev.update(extra)
-    return ev
-
-
-class Recorder:
-    def __init__(self):
-        self.events, self.rejects = [], []
-        self.lock = threading.Lock()
-
-    def on_event(self, event):
-        with self.lock:
-            self.events.append(event)
-
-    def on_reject(self, reason):
-        with self.lock:
-            self.rejects.append(reason)
 
 
 @pytest.fixture
@@ -46,12 +24,6 @@ def server(sockdir, no_thread_leak):
     srv.rec = rec
     yield srv
     srv.stop()
-
-
-def connect(path):
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.connect(path)
-    return sock
 
 
 def test_valid_events_delivered_in_order(server):

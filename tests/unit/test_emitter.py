@@ -13,14 +13,9 @@ import time
 from helpers import REPO_ROOT, subprocess_env, wait_for
 from ckptwatch import events
 from receiver import Receiver
+from wire import start_event
 
 PY = sys.executable
-
-
-def start_event(seq: int, pid: int | None = None) -> dict:
-    return {"v": 1, "type": "start", "node": "test-node", "pid": pid or os.getpid(),
-            "seq": seq, "path": f"/tmp/ckpt-{seq}.pt", "wall": time.time(),
-            "mono": time.monotonic()}
 
 
 def seqs(rx: Receiver, kind: str = "start") -> list[int]:
