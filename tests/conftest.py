@@ -10,14 +10,35 @@ import pytest
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "support"))
 from helpers import remove_tree, short_tmpdir  # noqa: E402
 
-# Tiers (markers registered in pyproject.toml): `-m "not e2e"` is the fast tier; a test marked
-# `torch` skips, with the reason, where torch is not installed instead of failing.
+# Fixtures that tests of both tiers share and that belong with their support module's helpers
+# (each module says what its fixtures are): a fixture is defined once, in one of these or below.
+pytest_plugins = ["ckptsets", "jobstore", "metricsserve", "otheruser", "tlsfiles"]
+
+# Tiers (markers registered in pyproject.toml). The tier is the path: every test under
+# tests/e2e/ is marked `e2e` here (`-m "not e2e"` and `tests/unit` are the same fast tier), and
+# one marked e2e anywhere else stops the run. A test marked `torch` skips, with the reason,
+# where torch is not installed instead of failing.
+_E2E_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "e2e") + os.sep
 _HAVE_TORCH = importlib.util.find_spec("torch") is not None
 _UNGROUPED = pytest.StashKey[bool]()     # a test xdist should have grouped and did not
 
 
+def _mark_the_tier(items):
+    misplaced = []
+    for item in items:
+        if str(item.path).startswith(_E2E_DIR):
+            item.add_marker(pytest.mark.e2e)
+        elif item.get_closest_marker("e2e") is not None:
+            misplaced.append(item.nodeid)
+    if misplaced:
+        raise pytest.UsageError("marked e2e outside tests/e2e/ (the tier is the path: move "
+                                "them there): " + ", ".join(misplaced))
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_collection_modifyitems(config, items):
+    # Before `-m` deselects anything (pytest's own hook runs inside this wrapper).
+    _mark_the_tier(items)
     # scripts/test runs the suite on two pytest-xdist workers with --dist loadgroup. The marks
     # go on before xdist's own hook reads them (a wrapper runs first), and are checked after it.
     # - End-to-end tests form one group: they run one at a time, in collection order, on one
@@ -65,6 +86,12 @@ def sockdir():
     path = short_tmpdir()
     yield path
     remove_tree(path)
+
+
+@pytest.fixture
+def workdir(tmp_path):
+    """tmp_path as a string, where the agent's journal and the hook's checkpoints go."""
+    return str(tmp_path)
 
 
 @pytest.fixture

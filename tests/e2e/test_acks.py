@@ -17,7 +17,7 @@ import pytest
 from agentproc import start_agent
 from helpers import subprocess_env, wait_for
 
-pytestmark = [pytest.mark.e2e, pytest.mark.torch]
+pytestmark = pytest.mark.torch
 
 FAST = ("--collision.window", "0.2", "--collision.settle", "0.2", "--verify.enabled=false")
 

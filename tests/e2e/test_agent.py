@@ -9,34 +9,11 @@ import sys
 
 import pytest
 
-from agentproc import EventSender, launch_agent, start_agent
-from helpers import REPO_ROOT, wait_for
+from agentproc import FAST, EventSender, launch_agent, overlapping_writes, start_agent
+from helpers import wait_for
 from ckptwatch import events
 
-# Settle quickly so a collision is final ~0.2 s after its last write ends.
-FAST = ("--collision.settle", "0.2")
 
-
-@pytest.fixture
-def workdir(tmp_path):
-    return str(tmp_path)
-
-
-def overlapping_writes(agent, path: str, job: str = "job-e2e") -> tuple[int, int]:
-    """Rank 0 and rank 1, each its own process, write `path` with overlapping intervals."""
-    with EventSender(agent.socket, path, rank=0, job=job) as a, \
-            EventSender(agent.socket, path, rank=1, job=job) as b:
-        a.start()
-        b.start()
-        a.end()
-        b.end()
-        # Keep both alive until the agent has both ends: a dead writer's open write is "lost".
-        wait_for(lambda: (agent.metric("ckptwatch_writes_total", training_job=job) or 0) >= 2,
-                 message="both writes finished")
-        return a.pid, b.pid
-
-
-@pytest.mark.e2e
 def test_collision_in_journal_metrics_and_log(workdir):
     with start_agent(workdir, *FAST) as agent:
         assert agent.get("/healthz")[0] == 200
@@ -67,7 +44,6 @@ def base_event(pid: int) -> dict:
             "path": "/ckpt/x.pt", "wall": 1.0, "mono": 1.0}
 
 
-@pytest.mark.e2e
 def test_bad_input_counted_and_collisions_still_detected(workdir):
     rng = random.Random(7)
     with start_agent(workdir, *FAST) as agent:
@@ -106,7 +82,6 @@ def test_bad_input_counted_and_collisions_still_detected(workdir):
         assert agent.metric("ckptwatch_collisions_total", kind="concurrent") == 1
 
 
-@pytest.mark.e2e
 def test_sigterm_stops_cleanly_and_flushes_pending_collision(workdir):
     # settle of 60 s: the collision can only reach the journal through the shutdown flush.
     agent = start_agent(workdir, "--collision.settle", "60")
@@ -122,14 +97,12 @@ def test_sigterm_stops_cleanly_and_flushes_pending_collision(workdir):
         agent.close()
 
 
-@pytest.mark.e2e
 def test_sigint_also_stops_cleanly(workdir):
     with start_agent(workdir) as agent:
         assert agent.stop(signal.SIGINT) == 0
         assert not os.path.exists(agent.socket)
 
 
-@pytest.mark.e2e
 def test_second_agent_on_live_socket_exits_1(workdir):
     with start_agent(workdir) as first:
         second = launch_agent(workdir, socket=first.socket, log_name="second.log")
@@ -146,7 +119,6 @@ def test_second_agent_on_live_socket_exits_1(workdir):
             wait_for(lambda: first.metric("ckptwatch_events_received_total") == 1)
 
 
-@pytest.mark.e2e
 def test_stale_socket_of_killed_agent_is_replaced(workdir):
     killed = start_agent(workdir)
     try:
@@ -161,7 +133,6 @@ def test_stale_socket_of_killed_agent_is_replaced(workdir):
         killed.close()
 
 
-@pytest.mark.e2e
 def test_port_in_use_exits_1(workdir):
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as busy:
         busy.bind(("127.0.0.1", 0))
@@ -176,35 +147,6 @@ def test_port_in_use_exits_1(workdir):
             agent.close()
 
 
-def test_python_agent_py_help():
-    proc = subprocess.run([sys.executable, "agent.py", "--help"], capture_output=True,
-                          text=True, timeout=60,
-                          cwd=REPO_ROOT)
-    assert proc.returncode == 0
-    assert "--web.listen-address" in proc.stdout and "--ingest.socket" in proc.stdout
-
-
-def test_health_fails_when_ingest_thread_is_gone(tmp_path, sockdir, no_thread_leak):
-    import time
-
-    from exporters.health import STALL_SECONDS, health_check
-    from monitor.ingest.server import IngestServer
-
-    ingest = IngestServer(os.path.join(sockdir, "h.sock"), lambda e: None, lambda r: None)
-    heartbeat = [time.monotonic()]
-    health = health_check(ingest, heartbeat)
-    ingest.start()
-    try:
-        assert health() == (True, "")
-        heartbeat[0] -= STALL_SECONDS + 1
-        assert health() == (False, "agent loop stalled")
-        heartbeat[0] = time.monotonic()
-    finally:
-        ingest.stop()
-    assert health() == (False, "ingest thread is not running")
-
-
-@pytest.mark.e2e
 def test_unusable_journal_path_exits_1(workdir):
     blocker = os.path.join(workdir, "not-a-dir")
     with open(blocker, "w") as fh:
@@ -232,7 +174,6 @@ for line in sys.stdin:                      # one save per line from the test
 
 
 @pytest.mark.torch
-@pytest.mark.e2e
 def test_instrumented_process_keeps_reporting_across_an_agent_restart(workdir, sockdir):
     """The real hook in a real Python process, the real agent stopped and started again on the
     same socket: the process never notices, and the new agent gets its later saves."""
@@ -284,7 +225,6 @@ with open(bad, "r+b") as f:
 
 
 @pytest.mark.torch
-@pytest.mark.e2e
 def test_agent_verifies_finished_checkpoints_and_flags_a_torn_one(workdir, sockdir):
     pytest.importorskip("torch")
     from helpers import subprocess_env
@@ -306,7 +246,6 @@ def test_agent_verifies_finished_checkpoints_and_flags_a_torn_one(workdir, sockd
     assert "corrupt checkpoint " + os.path.join(out, "torn.pt") in agent.log
 
 
-@pytest.mark.e2e
 def test_different_processes_leaving_different_sizes_is_a_size_fluctuation(workdir):
     path = "/ckpt/sizes/last.pt"
     with start_agent(workdir, *FAST) as agent:
@@ -327,46 +266,6 @@ def test_different_processes_leaving_different_sizes_is_a_size_fluctuation(workd
     assert "size fluctuation on /ckpt/sizes/last.pt" in agent.log
 
 
-def _event(kind, pid, seq, t, path):
-    ev = {"v": 1, "type": kind, "node": "n1", "pid": pid, "seq": seq, "path": path,
-          "wall": 1.7e9 + t, "mono": t, "rank": pid % 10, "job": "inproc"}
-    if kind == "end":
-        ev.update(start_wall=1.7e9, start_mono=0.0, outcome="ok", bytes=10)
-    return ev
-
-
-def test_agent_stop_finalises_pending_collisions_and_removes_its_socket(workdir, sockdir,
-                                                                          no_thread_leak):
-    """Agent.build/start/stop in-process: a collision still settling when the agent stops is
-    journaled by stop(), which also removes the socket, even though serve() never ran."""
-    import time
-
-    from exporters.journal import read_records
-    from monitor.agent import config
-    from monitor.agent.daemon import Agent
-
-    sock = os.path.join(sockdir, "inproc.sock")
-    journal = os.path.join(workdir, "journal.jsonl")
-    agent = Agent.build(config.load(["--ingest.socket", sock, "--journal.path", journal,
-                                     "--web.listen-address", "127.0.0.1:0",
-                                     "--collision.settle", "30"]))
-    agent.start()
-    try:
-        assert os.path.exists(sock)
-        now = time.monotonic()
-        agent.hook_batch([_event("start", 11, 1, now - 2, "/c/a.pt"),
-                          _event("start", 12, 1, now - 1.5, "/c/a.pt"),
-                          _event("end", 11, 1, now - 1, "/c/a.pt"),
-                          _event("end", 12, 1, now - 0.5, "/c/a.pt")])
-        agent.tick()
-        assert [r["type"] for r in read_records(journal)] == ["write", "write"]  # settling
-    finally:
-        agent.stop()
-    assert not os.path.exists(sock)
-    (collision,) = [r for r in read_records(journal) if r["type"] == "collision"]
-    assert collision["kind"] == "concurrent" and \
-        [w["pid"] for w in collision["writers"]] == [11, 12]
-@pytest.mark.e2e
 def test_wait_judged_returns_only_after_a_pending_collision_is_journaled(workdir):
     """The absence tests rest on AgentProcess.wait_judged(): it must not return while a
     finding about earlier events is still pending (here: a collision in its 4 s settle)."""
@@ -378,36 +277,6 @@ def test_wait_judged_returns_only_after_a_pending_collision_is_journaled(workdir
         assert [c["path"] for c in agent.collisions()] == [path]
 
 
-def test_health_fails_while_the_loop_is_behind_its_queue(sockdir, no_thread_leak):
-    """/healthz fails once the oldest event waiting for the loop has waited MAX_LAG_SECONDS,
-    and recovers when the loop takes it (issue 8 item 5: a loop that is behind is unhealthy)."""
-    import time
-
-    from exporters.health import MAX_LAG_SECONDS, health_check
-    from monitor.ingest.inbox import Inbox
-    from monitor.ingest.server import IngestServer
-
-    now = [100.0]
-    inbox = Inbox(clock=lambda: now[0])
-    ingest = IngestServer(os.path.join(sockdir, "lag.sock"), lambda e: None, lambda r: None)
-    health = health_check(ingest, [time.monotonic()], inbox=inbox, clock=lambda: now[0])
-    ingest.start()
-    try:
-        inbox.put([{"type": "start"}])
-        now[0] += 1.0
-        inbox.put([{"type": "start"}])
-        now[0] += MAX_LAG_SECONDS - 1.0
-        assert health() == (True, "")
-        now[0] += 0.5
-        ok, reason = health()
-        assert not ok and reason.startswith("agent loop behind: oldest queued event waited")
-        assert len(inbox.take(0)) == 2
-        assert health() == (True, "") and inbox.oldest_wait() == 0.0
-    finally:
-        ingest.stop()
-
-
-@pytest.mark.e2e
 def test_node_is_the_agents_own_not_the_senders_claim(workdir):
     """One process naming two nodes is still one writer: no collision with itself, and its
     writes are journaled under the agent's --node.name (issue 8 item 7a)."""
@@ -446,7 +315,6 @@ sys.stdin.read()      # stay alive until the agent has everything
                                                                          proc.pid)}
 
 
-@pytest.mark.e2e
 def test_a_flood_of_open_starts_does_not_delay_a_real_collision(workdir):
     """20,000 starts that never end, on one path, from one live process; then two other
     processes collide on that path: journaled within 5 s (issue 8 item 5)."""
@@ -489,7 +357,6 @@ sys.stdin.read()
             flooder.wait(10)
 
 
-@pytest.mark.e2e
 def test_a_hazard_is_noticed_to_the_hook_that_asked(workdir):
     """warn policy + job scope: a hazard event from a hook that asked for notices comes back
     to it as a notice of kind "hazard" (the agent publishes hazards like every finding)."""
@@ -525,34 +392,3 @@ print(json.dumps([events.decode_notice(f) for f in frames]))
         (notice,) = json.loads(out.stdout)
         assert notice["kind"] == "hazard" and notice["path"] == "/shared/ckpt/last.pt"
         assert notice["site"] == "train.py:7"
-
-
-def test_a_watched_write_whose_start_comes_after_its_close_is_still_verified(workdir, sockdir):
-    """The watcher's start of a write (fanotify queue) can reach the loop after the close of
-    the same write (inotify queue) and after the hook's report of it: the fs end that follows
-    the start must make the path due again, or it is never verified (seen in bench/capacity.py
-    and `ckptwatch check`: 10-30 of 520 new files unverified with inotify + fanotify)."""
-    import time
-
-    from monitor.agent import config
-    from monitor.agent.daemon import Agent
-    from monitor.fs.source import FILE_CLOSED, FileNotice
-
-    root = os.path.join(workdir, "ckpt")
-    os.makedirs(root)
-    path = os.path.join(root, "late.pt")
-    agent = Agent.build(config.load(["--ingest.socket", os.path.join(sockdir, "a.sock"),
-                                     "--journal.path", os.path.join(workdir, "j.jsonl"),
-                                     "--web.listen-address", "127.0.0.1:0",
-                                     "--watch.path", root, "--verify.quiet", "0.5"]))
-    try:
-        now = time.monotonic()
-        fs_start = {**_event("start", 77, 1, now - 1.0, path), "source": "fs"}
-        fs_end = {**_event("end", 77, 1, now - 0.5, path), "source": "fs", "start_mono": now - 1.0}
-        agent.fs_inbox.put([FileNotice(FILE_CLOSED, path)])     # the close, first
-        agent.fs_inbox.put([fs_start, fs_end])                   # then the write it closed
-        agent.fs_turn()
-        due = agent.checks.schedule.due(time.monotonic() + 5)
-        assert [p for p, *_ in due] == [path]
-    finally:
-        agent.journal.close()

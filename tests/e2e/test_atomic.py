@@ -20,7 +20,7 @@ from helpers import REPO_ROOT, remove_tree, short_tmpdir
 
 torch = pytest.importorskip("torch")
 
-pytestmark = [pytest.mark.e2e, pytest.mark.torch]
+pytestmark = pytest.mark.torch
 
 RUNS = 20           # rounds: each a race of NPROC ranks saving one path
 NPROC = 4

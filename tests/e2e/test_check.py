@@ -15,7 +15,6 @@ from helpers import REPO_ROOT, subprocess_env, wait_for
 from incident import write_incident_journal
 from monitor.cli import check
 
-pytestmark = pytest.mark.e2e
 
 PY = sys.executable
 CHECK = [PY, "-m", "monitor.cli", "check"]

@@ -8,7 +8,7 @@ from helpers import REPO_ROOT, subprocess_env
 
 pytest.importorskip("torch")
 
-pytestmark = [pytest.mark.e2e, pytest.mark.torch]
+pytestmark = pytest.mark.torch
 
 
 def test_demo_reports_the_buggy_job_and_not_the_fixed_one():

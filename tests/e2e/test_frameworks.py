@@ -20,13 +20,11 @@ from helpers import REPO_ROOT, remove_tree, short_tmpdir, wait_for
 
 torch = pytest.importorskip("torch")
 
-pytestmark = [pytest.mark.e2e, pytest.mark.torch]
+pytestmark = pytest.mark.torch
 
 SCRIPTS = os.path.join(REPO_ROOT, "tests", "frameworks")
 SETTLE = 0.5
 TORCHRUN = (sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2")
-
-
 
 
 @pytest.fixture(scope="module")

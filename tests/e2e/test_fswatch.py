@@ -17,7 +17,7 @@ from helpers import REPO_ROOT, remove_tree, short_tmpdir, wait_for
 pytest.importorskip("torch")
 pytest.importorskip("watchdog")
 
-pytestmark = [pytest.mark.e2e, pytest.mark.torch]
+pytestmark = pytest.mark.torch
 
 NPROC = 4
 

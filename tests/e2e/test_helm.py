@@ -17,7 +17,6 @@ from k8sdocs import (agent_container, check_sidecar_pod, load_all, pod_specs,
                      restricted_violations, validate)
 
 pytest.importorskip("kubernetes_validate", reason="kubernetes-validate not installed")
-pytestmark = pytest.mark.e2e
 
 CHART = os.path.join(REPO_ROOT, "deploy", "helm", "ckptwatch")
 RULES = os.path.join(REPO_ROOT, "deploy", "prometheus", "ckptwatch-rules.yml")

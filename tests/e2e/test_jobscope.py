@@ -4,7 +4,8 @@ Each "node" is a `torchrun --nnodes 2 --node-rank N --nproc-per-node 2` (loopbac
 rendezvous) under `ckptwatch run --socket <its agent>` with its own CKPTWATCH_NODE; all four
 ranks save into one directory marked shared through CKPTWATCH_SHARED_PATHS. Neither agent
 hears the other node's hooks: whatever it says about the other node came through the job's
-store (ckptwatch/jobscope.py).
+store (ckptwatch/jobscope.py). Last, the store itself under 10,000 saves of JobScopes in this
+process.
 """
 from __future__ import annotations
 
@@ -17,10 +18,11 @@ import pytest
 
 from agentproc import start_agent
 from helpers import REPO_ROOT, free_port, remove_tree, short_tmpdir, wait_for
+from jobstore import Rank
 
 torch = pytest.importorskip("torch")
 
-pytestmark = [pytest.mark.e2e, pytest.mark.torch]
+pytestmark = pytest.mark.torch
 
 NODES = ("node-a", "node-b")
 AGENT_ARGS = ("--collision.settle", "0.5", "--collision.job-settle", "3",
@@ -236,3 +238,32 @@ def test_static_rendezvous_run_id_none_is_told_apart_by_the_master_address(agent
         assert found[0]["scope"] == "job" and ranks_of(found[0]) == [0, 2]
         assert {w["job"] for w in found[0]["writers"]} == {"none"}
         assert len({w["master"] for w in found[0]["writers"]}) == 1
+
+
+# ---- the store itself, under many saves (JobScopes in this process, no agent) ----------
+
+def test_store_keys_do_not_grow_with_the_number_of_saves(job_store):
+    """10,000 saves by two ranks of two nodes (5,000 each, on 8 paths), a 0.25 s window (the
+    run lasts many windows): keys are deleted while it runs, and once the last windows have
+    passed the store holds what it held before plus the ticket counter."""
+    window = 0.25
+    a = Rank(job_store.port, "node-a", 0, 0, window=window)
+    b = Rank(job_store.port, "node-b", 2, 0, window=window)
+    wait_for(lambda: a.active() and b.active(), message="connected")
+    before = job_store.num_keys()
+    paths = [os.path.join("/tmp/private", f"p{i}.pt") for i in range(8)]
+    peak = 0
+    for i in range(5000):
+        for rank in (a, b):
+            rank.save(paths[i % len(paths)])
+        if i % 500 == 0:
+            wait_for(lambda: not a.scope._queue and not b.scope._queue, timeout=60)
+            peak = max(peak, job_store.num_keys())
+    wait_for(lambda: a.scope.counters["announced"] + a.scope.counters["dropped"] >= 5000
+             and b.scope.counters["announced"] + b.scope.counters["dropped"] >= 5000,
+             timeout=120, message="every save announced or dropped")
+    after = wait_for(lambda: job_store.num_keys() <= before + 1 and job_store.num_keys(), timeout=30,
+                     message=f"keys back to {before} + ticket counter (now {job_store.num_keys()})")
+    assert after == before + 1
+    assert peak < 5000, peak        # the saves of the last windows, not all 10,000
+    assert a.scope.state == "active" and a.scope.counters["errors"] == 0

@@ -1,4 +1,5 @@
-"""The wheel built from this repository: what it installs and what it does not."""
+"""The wheel built from this repository (in a subprocess, ~10 s): what it installs and what it
+does not."""
 import os
 import subprocess
 import sys
@@ -7,8 +8,6 @@ import zipfile
 import pytest
 
 from helpers import REPO_ROOT
-
-pytestmark = pytest.mark.e2e   # builds a wheel in a subprocess (~10 s)
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,6 @@ from helpers import REPO_ROOT
 from monitor.detect.model import KIND_CONCURRENT, Collision, Write, Writer
 from prom import start_prometheus, wait_for_query
 
-pytestmark = [pytest.mark.e2e]
 
 RULES = os.path.join(REPO_ROOT, "deploy", "prometheus", "ckptwatch-rules.yml")
 PATH = "/data/shared/ckpt/last.pt"

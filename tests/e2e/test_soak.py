@@ -12,7 +12,6 @@ from soak import FRAMES, HELD, VALUES, describe, run_soak
 
 pytest.importorskip("watchdog")
 
-pytestmark = pytest.mark.e2e
 
 MIB = 1 << 20
 

@@ -18,12 +18,10 @@ from helpers import REPO_ROOT, remove_tree, short_tmpdir, wait_for
 
 torch = pytest.importorskip("torch")
 
-pytestmark = [pytest.mark.e2e, pytest.mark.torch]
+pytestmark = pytest.mark.torch
 
 NPROC = 4
 SETTLE = 0.5
-
-
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ from helpers import REPO_ROOT, remove_tree, short_tmpdir
 
 torch = pytest.importorskip("torch")
 
-pytestmark = [pytest.mark.e2e, pytest.mark.torch]
+pytestmark = pytest.mark.torch
 
 SITE = os.path.join(REPO_ROOT, "monitor", "cli", "demo_job.py") + ":"
 

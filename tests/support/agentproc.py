@@ -196,3 +196,21 @@ class EventSender:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+# Settle quickly so a collision is final ~0.2 s after its last write ends.
+FAST = ("--collision.settle", "0.2")
+
+
+def overlapping_writes(agent, path: str, job: str = "job-e2e") -> tuple[int, int]:
+    """Rank 0 and rank 1, each its own process, write `path` with overlapping intervals."""
+    with EventSender(agent.socket, path, rank=0, job=job) as a, \
+            EventSender(agent.socket, path, rank=1, job=job) as b:
+        a.start()
+        b.start()
+        a.end()
+        b.end()
+        # Keep both alive until the agent has both ends: a dead writer's open write is "lost".
+        wait_for(lambda: (agent.metric("ckptwatch_writes_total", training_job=job) or 0) >= 2,
+                 message="both writes finished")
+        return a.pid, b.pid

@@ -1,4 +1,5 @@
-"""Test certificates and web config files made with the openssl CLI (no test keys in the repo).
+"""Test certificates and web config files made with the openssl CLI (no test keys in the repo),
+and the pki fixture and web configs the TLS tests of both tiers serve with.
 
     files = make_pki(tmp_path)   # files.ca, files.server_cert/key (127.0.0.1, localhost),
                                  # files.client_cert/key (signed by the same CA)
@@ -11,6 +12,8 @@ import subprocess
 from dataclasses import dataclass
 
 import pytest
+
+from exporters import webconfig
 
 # A cheap cost keeps the suite fast; the server reads the cost from the hash.
 BCRYPT_COST = 4
@@ -61,3 +64,24 @@ def write_web_config(path, text: str) -> str:
     with open(path, "w") as f:
         f.write(text)
     return str(path)
+
+
+# The password of the user "prometheus" in web_config()'s basic_auth_users.
+PASSWORD = "correct horse"
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory):
+    """One CA, server and client certificate per test module (openssl takes a while)."""
+    return make_pki(tmp_path_factory.mktemp("pki"))
+
+
+def web_config(tmp_path, pki, users=True, client_auth=None):
+    """A loaded exporter-toolkit web config serving TLS with pki's server certificate; users:
+    basic auth for "prometheus" with PASSWORD; client_auth: its client_auth_type."""
+    text = f"tls_server_config:\n  cert_file: {pki.server_cert}\n  key_file: {pki.server_key}\n"
+    if client_auth:
+        text += f"  client_auth_type: {client_auth}\n  client_ca_file: {pki.ca}\n"
+    if users:
+        text += f"basic_auth_users:\n  prometheus: {bcrypt_hash(PASSWORD)}\n"
+    return webconfig.load(write_web_config(tmp_path / "web.yml", text))

@@ -51,3 +51,8 @@ class Recorder:
     def on_reject(self, reason):
         with self.lock:
             self.rejects.append(reason)
+
+
+def hold(path: str, n: int) -> list[socket.socket]:
+    """n connections to path from this process, kept open (the caller closes them)."""
+    return [connect(path) for _ in range(n)]

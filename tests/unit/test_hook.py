@@ -26,11 +26,6 @@ def rx(sock):
         yield receiver
 
 
-@pytest.fixture
-def workdir(tmp_path):
-    return str(tmp_path)
-
-
 def run_script(workdir: str, body: str, sock: str, **env) -> dict:
     """Run body as workdir/child.py in a fresh interpreter; return its last stdout JSON line."""
     script = os.path.join(workdir, "child.py")

@@ -1,11 +1,11 @@
-"""ckptwatch.jobscope: key layout, ticket order, store growth, an unreachable or late store.
+"""ckptwatch.jobscope: key layout, ticket order, an unreachable or late store (the store's
+growth under 10,000 saves is tests/e2e/test_jobscope.py).
 
-Real TCPStore servers (torch, loopback) and real JobScope threads; the events they would send
-to the agent are collected from their emit callback.
+Real TCPStore servers (torch, loopback: the tests marked torch) and real JobScope threads; the
+events they would send to the agent are collected from their emit callback.
 """
 from __future__ import annotations
 
-import datetime
 import os
 import threading
 import time
@@ -13,66 +13,9 @@ import time
 import pytest
 
 from ckptwatch import jobscope
-from ckptwatch.jobscope import JobScope, place_remote, run_prefix
-from ckptwatch.sharedfs import SharedPaths
+from ckptwatch.jobscope import place_remote, run_prefix
 from helpers import free_port, wait_for
-
-torch = pytest.importorskip("torch")
-import torch.distributed as dist  # noqa: E402
-
-pytestmark = pytest.mark.torch
-
-SHARED = "/tmp/ckptwatch-test-shared"
-
-
-def master_store(port: int = 0):
-    return dist.TCPStore("127.0.0.1", port, None, True, datetime.timedelta(seconds=10),
-                         wait_for_workers=False)
-
-
-def ident(node: str, rank: int, local_rank: int, job="job-1", restart=0) -> dict:
-    # One test process plays every rank: each gets its own pid in what it announces.
-    return {"node": node, "pid": 100000 + rank, "rank": rank, "local_rank": local_rank,
-            "world_size": 4, "local_world_size": 2, "node_rank": rank // 2, "job": job,
-            "master": "127.0.0.1:29500", "restart": restart}
-
-
-class Rank:
-    """A JobScope as one rank's hook drives it, with what it sends to its agent."""
-
-    def __init__(self, port: int, node: str, rank: int, local_rank: int, **kw):
-        self.sent: list[dict] = []
-        self.ident = ident(node, rank, local_rank)
-        self.seq = 0
-        self.scope = JobScope("127.0.0.1", port, self.ident, emit=self.sent.append,
-                              shared=SharedPaths({"CKPTWATCH_SHARED_PATHS": SHARED}),
-                              **kw).start()
-
-    def begin(self, path: str):
-        self.seq += 1
-        pending = (self.ident, self.seq, path, None, None, time.time(), time.monotonic())
-        self.scope.started(pending)
-        return pending
-
-    def end(self, pending) -> None:
-        self.scope.ended(pending, time.time(), time.monotonic(), "ok")
-
-    def save(self, path: str, hold: float = 0.0) -> None:
-        pending = self.begin(path)
-        time.sleep(hold)
-        self.end(pending)
-
-    def of_type(self, kind: str) -> list[dict]:
-        return [e for e in self.sent if e["type"] == kind]
-
-    def active(self) -> bool:
-        return self.scope.state == jobscope.STATE_ACTIVE
-
-
-@pytest.fixture
-def store():
-    server = master_store()
-    yield server
+from jobstore import SHARED, Rank, ident, master_store
 
 
 # ---- pure parts ---------------------------------------------------------------------------
@@ -107,10 +50,11 @@ def test_place_remote_follows_the_store_order_not_the_walls():
 
 # ---- with a real store --------------------------------------------------------------------
 
-def test_two_nodes_learn_each_others_overlapping_write_and_name_the_hazards(store):
-    a = Rank(store.port, "node-a", 0, 0)
-    b = Rank(store.port, "node-b", 2, 0)
-    c = Rank(store.port, "node-a", 1, 1)             # a local peer of a: not reported remote
+@pytest.mark.torch
+def test_two_nodes_learn_each_others_overlapping_write_and_name_the_hazards(job_store):
+    a = Rank(job_store.port, "node-a", 0, 0)
+    b = Rank(job_store.port, "node-b", 2, 0)
+    c = Rank(job_store.port, "node-a", 1, 1)             # a local peer of a: not reported remote
     wait_for(lambda: a.active() and b.active() and c.active(), message="connected")
     path = os.path.join(SHARED, "last.pt")
     pa, pb, pc = a.begin(path), b.begin(path), c.begin(path)
@@ -134,9 +78,10 @@ def test_two_nodes_learn_each_others_overlapping_write_and_name_the_hazards(stor
         assert rank.of_type("jobscope")[0]["state"] == "active"
 
 
-def test_a_later_writer_is_found_by_the_earlier_ones_poll(store):
-    a = Rank(store.port, "node-a", 0, 0)
-    b = Rank(store.port, "node-b", 2, 0)
+@pytest.mark.torch
+def test_a_later_writer_is_found_by_the_earlier_ones_poll(job_store):
+    a = Rank(job_store.port, "node-a", 0, 0)
+    b = Rank(job_store.port, "node-b", 2, 0)
     wait_for(lambda: a.active() and b.active(), message="connected")
     path = os.path.join(SHARED, "later.pt")
     a.save(path)
@@ -146,34 +91,6 @@ def test_a_later_writer_is_found_by_the_earlier_ones_poll(store):
     # a learns of b by re-reading its recent path (not at its own end, which was earlier).
     found = wait_for(lambda: a.of_type("remote"), timeout=10, message="a's poll")
     assert found[0]["overlap"] is False and found[0]["writer"]["rank"] == 2
-
-
-@pytest.mark.e2e
-def test_store_keys_do_not_grow_with_the_number_of_saves(store):
-    """10,000 saves by two ranks of two nodes (5,000 each, on 8 paths), a 0.25 s window (the
-    run lasts many windows): keys are deleted while it runs, and once the last windows have
-    passed the store holds what it held before plus the ticket counter."""
-    window = 0.25
-    a = Rank(store.port, "node-a", 0, 0, window=window)
-    b = Rank(store.port, "node-b", 2, 0, window=window)
-    wait_for(lambda: a.active() and b.active(), message="connected")
-    before = store.num_keys()
-    paths = [os.path.join("/tmp/private", f"p{i}.pt") for i in range(8)]
-    peak = 0
-    for i in range(5000):
-        for rank in (a, b):
-            rank.save(paths[i % len(paths)])
-        if i % 500 == 0:
-            wait_for(lambda: not a.scope._queue and not b.scope._queue, timeout=60)
-            peak = max(peak, store.num_keys())
-    wait_for(lambda: a.scope.counters["announced"] + a.scope.counters["dropped"] >= 5000
-             and b.scope.counters["announced"] + b.scope.counters["dropped"] >= 5000,
-             timeout=120, message="every save announced or dropped")
-    after = wait_for(lambda: store.num_keys() <= before + 1 and store.num_keys(), timeout=30,
-                     message=f"keys back to {before} + ticket counter (now {store.num_keys()})")
-    assert after == before + 1
-    assert peak < 5000, peak        # the saves of the last windows, not all 10,000
-    assert a.scope.state == "active" and a.scope.counters["errors"] == 0
 
 
 def test_unreachable_store_never_blocks_a_save_and_disables_job_scope():
@@ -192,6 +109,7 @@ def test_unreachable_store_never_blocks_a_save_and_disables_job_scope():
     assert a.of_type("remote") == []
 
 
+@pytest.mark.torch
 def test_ranks_started_before_the_store_connect_once_it_is_up():
     port = free_port()
     a = Rank(port, "node-a", 0, 0)
@@ -202,6 +120,7 @@ def test_ranks_started_before_the_store_connect_once_it_is_up():
     assert server.num_keys() == 0       # connecting wrote nothing
 
 
+@pytest.mark.torch
 def test_a_store_that_goes_away_disables_job_scope_and_saves_go_on():
     port = free_port()
     holder = {}

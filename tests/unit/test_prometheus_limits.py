@@ -6,11 +6,10 @@ import gzip
 import tracemalloc
 import urllib.request
 
-import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from exporters.labels import OVERFLOW, LabelLimits
-from exporters.prometheus import MetricsServer, MetricsState, build_registry
+from exporters.prometheus import MetricsState, build_registry
 from labelflood import FLOOD, collision, flood, write
 
 
@@ -25,24 +24,10 @@ def samples(body: str) -> list:
     return [s for f in text_string_to_metric_families(body) for s in f.samples]
 
 
-@pytest.fixture
-def serve(no_thread_leak):
-    servers = []
-
-    def start(state):
-        srv = MetricsServer("127.0.0.1:0", build_registry(state))
-        srv.start()
-        servers.append(srv)
-        return srv
-    yield start
-    for srv in servers:
-        srv.stop()
-
-
-def test_distinct_jobs_and_ranks_past_the_caps_keep_metrics_small(serve):
+def test_distinct_jobs_and_ranks_past_the_caps_keep_metrics_small(serve_metrics):
     state = MetricsState()
     flood(state)
-    _, raw = scrape(serve(state).port)
+    _, raw = scrape(serve_metrics(state=state).port)
     # 200,000 values made 312 MB (and 33 s per scrape) before label values were capped;
     # uncapped, these 20,000 make 19 MB.
     assert len(raw) < 1_000_000, f"/metrics is {len(raw):,} bytes"
@@ -87,10 +72,10 @@ def test_a_long_label_value_is_cut_and_stays_distinct():
     assert all(len(j) <= 128 for j in jobs)
 
 
-def test_a_value_json_can_carry_but_utf8_cannot_does_not_break_the_scrape(serve):
+def test_a_value_json_can_carry_but_utf8_cannot_does_not_break_the_scrape(serve_metrics):
     state = MetricsState()
     state.write_finished(write("bad-\ud800-id", 0))      # a lone surrogate, valid in JSON
-    headers, raw = scrape(serve(state).port)
+    headers, raw = scrape(serve_metrics(state=state).port)
     jobs = {s.labels.get("training_job") for s in samples(raw.decode())
             if s.name == "ckptwatch_writes_total"}
     assert jobs == {"bad-\\ud800-id"}
@@ -172,11 +157,11 @@ def test_overflow_counters_exist_at_zero():
         assert value(state, "ckptwatch_label_values_overflowed_total", label=label) == 0
 
 
-def test_metrics_are_gzipped_when_the_scraper_asks(serve):
+def test_metrics_are_gzipped_when_the_scraper_asks(serve_metrics):
     state = MetricsState()
     for i in range(50):
         state.write_finished(write(f"job-{i}", i))
-    port = serve(state).port
+    port = serve_metrics(state=state).port
     plain_headers, plain = scrape(port)
     assert "Content-Encoding" not in plain_headers
     headers, raw = scrape(port, "gzip")

@@ -1,7 +1,8 @@
 """Whole-checkpoint verification (monitor/verify/sets.py, dcpmeta.py): real DCP directories
 written by torch.distributed.checkpoint.save and real Hugging Face sharded checkpoints written
-by transformers' save_pretrained, whole and broken; through the pure function, through
-`python -m monitor.cli.scan`, through the agent; and hostile indexes."""
+by transformers' save_pretrained (tests/support/ckptsets.py), whole and broken; through the pure
+function and through `python -m monitor.cli.scan`; and hostile indexes. Through the agent:
+tests/e2e/test_sets.py. The tests that write checkpoints are marked torch."""
 from __future__ import annotations
 
 import json
@@ -10,53 +11,16 @@ import shutil
 import struct
 import subprocess
 import sys
-import warnings
 
 import pytest
-import torch
 
 import corpus
-from agentproc import start_agent
-from helpers import REPO_ROOT, remove_tree, short_tmpdir, subprocess_env, wait_for
+from ckptsets import shards
+from helpers import REPO_ROOT, subprocess_env
 from monitor.verify import dcpmeta, integrity, picklescan, sets
 from monitor.verify.worker import VerifySchedule
 
 CORRUPT, OK, UNVERIFIABLE = integrity.CORRUPT, integrity.OK, integrity.UNVERIFIABLE
-
-
-def dcp_save(directory, rows: int = 4, seed: int = 0) -> str:
-    """A real DCP save (single process, two writer threads: two .distcp shards)."""
-    import torch.distributed.checkpoint as dcp
-    torch.manual_seed(seed)
-    state = {"w": torch.randn(rows, 8), "b": torch.zeros(rows), "step": seed,
-             "nested": {"x": torch.arange(10 * rows)}}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")     # "assuming the intent is to save in a single process"
-        dcp.save(state, storage_writer=dcp.FileSystemWriter(str(directory), thread_count=2))
-    return str(directory)
-
-
-def hf_save(directory, vocab: int = 100, shard: str = "20KB", seed: int = 0) -> str:
-    """A real sharded save_pretrained of a tiny GPT-2 built from a config (no download)."""
-    import transformers
-    transformers.logging.set_verbosity_error()
-    torch.manual_seed(seed)
-    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=vocab,
-                                     n_positions=64, bos_token_id=0, eos_token_id=0)
-    transformers.GPT2LMHeadModel(config).save_pretrained(str(directory), max_shard_size=shard)
-    return str(directory)
-
-
-@pytest.fixture(scope="module")
-def saves(tmp_path_factory):
-    root = tmp_path_factory.mktemp("saves")
-    return {
-        "dcp": dcp_save(root / "dcp"),
-        "dcp_big": dcp_save(root / "dcp_big", rows=6, seed=1),     # other tensor sizes
-        "hf": hf_save(root / "hf"),
-        "hf_other": hf_save(root / "hf_other", vocab=120, seed=1),  # other vocabulary
-        "hf_resharded": hf_save(root / "hf_resharded", shard="40KB"),
-    }
 
 
 def copy(saves, name, tmp_path) -> str:
@@ -71,16 +35,13 @@ def only(directory, **kwargs) -> integrity.Verdict:
     return verdicts[0]
 
 
-def shards(directory, suffix):
-    return sorted(n for n in os.listdir(directory) if n.endswith(suffix))
-
-
 def cause(v):
     return (v.status, v.details.get("cause"))
 
 
 # ---------------------------------------------------------------------------- DCP
 
+@pytest.mark.torch
 def test_whole_dcp_directory_is_ok(saves):
     v = only(saves["dcp"])
     assert v.status == OK and v.format == "dcp", v
@@ -88,6 +49,7 @@ def test_whole_dcp_directory_is_ok(saves):
     assert len(v.details["members"]) == 2 and v.details["ranges"] == 4
 
 
+@pytest.mark.torch
 def test_both_metadata_readers_agree_on_a_real_metadata(saves):
     data = open(os.path.join(saves["dcp"], ".metadata"), "rb").read()
     fast, careful = dcpmeta._fast(data), dcpmeta._careful(data, picklescan.BUDGET)
@@ -95,6 +57,7 @@ def test_both_metadata_readers_agree_on_a_real_metadata(saves):
     assert fast.files == careful.files and sum(len(a) for a in fast.files.values()) == 8
 
 
+@pytest.mark.torch
 def test_dcp_shard_missing(saves, tmp_path):
     d = copy(saves, "dcp", tmp_path)
     os.unlink(os.path.join(d, shards(d, ".distcp")[1]))
@@ -103,12 +66,14 @@ def test_dcp_shard_missing(saves, tmp_path):
     assert "is missing" in v.reason
 
 
+@pytest.mark.torch
 def test_dcp_metadata_missing(saves, tmp_path):
     d = copy(saves, "dcp", tmp_path)
     os.unlink(os.path.join(d, ".metadata"))
     assert cause(only(d)) == (CORRUPT, "missing_shard")
 
 
+@pytest.mark.torch
 def test_dcp_shard_truncated(saves, tmp_path):
     d = copy(saves, "dcp", tmp_path)
     path = os.path.join(d, shards(d, ".distcp")[0])
@@ -117,6 +82,7 @@ def test_dcp_shard_truncated(saves, tmp_path):
     assert cause(v) == (CORRUPT, "truncated"), v
 
 
+@pytest.mark.torch
 def test_dcp_shard_from_another_save_is_mixed(saves, tmp_path):
     d = copy(saves, "dcp", tmp_path)
     name = shards(d, ".distcp")[0]
@@ -128,6 +94,7 @@ def test_dcp_shard_from_another_save_is_mixed(saves, tmp_path):
     assert integrity.verify(os.path.join(d, name)).status == OK
 
 
+@pytest.mark.torch
 def test_dcp_shards_written_by_different_runs_are_mixed(saves):
     """The agent's knowledge: same bytes, but the last writers of two shards were two runs."""
     names = shards(saves["dcp"], ".distcp")
@@ -141,6 +108,7 @@ def test_dcp_shards_written_by_different_runs_are_mixed(saves):
 
 # ---------------------------------------------------------------------------- Hugging Face
 
+@pytest.mark.torch
 def test_whole_hf_sharded_checkpoint_is_ok(saves):
     v = only(saves["hf"])
     assert v.status == OK and v.format == "hf-sharded", v
@@ -148,12 +116,14 @@ def test_whole_hf_sharded_checkpoint_is_ok(saves):
     assert len(v.details["members"]) > 2
 
 
+@pytest.mark.torch
 def test_hf_shard_missing(saves, tmp_path):
     d = copy(saves, "hf", tmp_path)
     os.unlink(os.path.join(d, shards(d, ".safetensors")[2]))
     assert cause(only(d)) == (CORRUPT, "missing_shard")
 
 
+@pytest.mark.torch
 def test_hf_shard_truncated(saves, tmp_path):
     d = copy(saves, "hf", tmp_path)
     path = os.path.join(d, shards(d, ".safetensors")[2])
@@ -161,6 +131,7 @@ def test_hf_shard_truncated(saves, tmp_path):
     assert cause(only(d)) == (CORRUPT, "truncated")
 
 
+@pytest.mark.torch
 def test_hf_shard_of_another_model_is_mixed(saves, tmp_path):
     """Same tensor names, other sizes: only total_size tells."""
     d = copy(saves, "hf", tmp_path)
@@ -180,6 +151,7 @@ def test_hf_shard_of_another_model_is_mixed(saves, tmp_path):
     assert cause(v) == (CORRUPT, "mixed") and "total_size" in v.reason, v
 
 
+@pytest.mark.torch
 def test_hf_shard_of_another_sharding_is_mixed(saves, tmp_path):
     d = copy(saves, "hf", tmp_path)
     # A shard of a save with a larger max_shard_size, under this save's first shard name.
@@ -190,9 +162,11 @@ def test_hf_shard_of_another_sharding_is_mixed(saves, tmp_path):
     assert cause(v) == (CORRUPT, "mixed") and "the index" in v.reason, v
 
 
+@pytest.mark.torch
 def test_hf_bin_shards_presence_and_structure(tmp_path):
     """pytorch_model.bin.index.json (transformers 5 writes safetensors only: the .bin layout
     is written here as transformers 4 did, one torch.save per shard)."""
+    import torch
     weights = {"a": torch.ones(3), "b": torch.zeros(4)}
     torch.save({"a": weights["a"]}, tmp_path / "pytorch_model-00001-of-00002.bin")
     torch.save({"b": weights["b"]}, tmp_path / "pytorch_model-00002-of-00002.bin")
@@ -218,6 +192,7 @@ def scan_json(*paths):
     return proc.returncode, json.loads(proc.stdout), proc.stderr
 
 
+@pytest.mark.torch
 def test_scan_reports_sets_as_units(saves, tmp_path):
     code, doc, err = scan_json(saves["dcp"], saves["hf"])
     assert code == 0, err
@@ -240,6 +215,7 @@ def test_scan_reports_sets_as_units(saves, tmp_path):
     assert doc["exit_code"] == 1
 
 
+@pytest.mark.torch
 def test_scan_table_names_the_set(saves):
     proc = subprocess.run([sys.executable, "-m", "monitor.cli.scan", saves["dcp"]],
                           cwd=REPO_ROOT, env=subprocess_env(), capture_output=True, text=True,
@@ -251,6 +227,7 @@ def test_scan_table_names_the_set(saves):
 
 # ---------------------------------------------------------------------------- hostile
 
+@pytest.mark.torch
 def test_index_naming_a_file_outside_is_never_read(saves, tmp_path):
     d = copy(saves, "hf", tmp_path)
     index = os.path.join(d, "model.safetensors.index.json")
@@ -274,6 +251,7 @@ def test_index_naming_a_file_outside_is_never_read(saves, tmp_path):
     assert str(outside) not in read
 
 
+@pytest.mark.torch
 def test_symlinked_member_is_not_followed_by_the_agent(saves, tmp_path):
     d = copy(saves, "hf", tmp_path)
     name = shards(d, ".safetensors")[1]
@@ -303,15 +281,18 @@ def _metadata_dir(tmp_path, pickle_bytes: bytes) -> str:
     d = tmp_path / "dcp"
     d.mkdir()
     (d / ".metadata").write_bytes(pickle_bytes)
+    import torch
     torch.save({"x": torch.ones(2)}, d / "__0_0.distcp")
     return str(d)
 
 
+@pytest.mark.torch
 def test_metadata_memo_bomb_is_out_of_bounds(tmp_path):
     d = _metadata_dir(tmp_path, corpus.memo_bomb_pickle(2 ** 31))
     assert cause(only(d)) == (CORRUPT, "out_of_bounds")
 
 
+@pytest.mark.torch
 def test_metadata_huge_claimed_lengths_are_corrupt(tmp_path):
     for i, data in enumerate([b"\x80\x04\x8d" + struct.pack("<Q", 2 ** 62) + b".",
                               b"\x80\x04\x95" + struct.pack("<Q", 2 ** 40) + b"N.",
@@ -321,6 +302,7 @@ def test_metadata_huge_claimed_lengths_are_corrupt(tmp_path):
         assert cause(v) == (CORRUPT, "inconsistent"), (data, v)
 
 
+@pytest.mark.torch
 def test_metadata_beyond_the_range_cap_is_unverifiable(saves, tmp_path, monkeypatch):
     monkeypatch.setattr(dcpmeta, "MAX_RANGES", 3)
     v = only(saves["dcp"])
@@ -371,33 +353,3 @@ def test_schedule_makes_a_set_due_after_its_members_are_quiet():
     assert s.due_sets(20.5) == []
     assert s.due_sets(21.0) == [("/c", {"/c/__0_0.distcp": ("j", None, 0)})]
     assert s.due_sets(30.0) == []                               # reported once
-
-
-@pytest.mark.e2e
-def test_agent_reports_a_dcp_set_and_a_swapped_shard(saves, tmp_path):
-    workdir = short_tmpdir("cws")
-    root = os.path.join(workdir, "ckpt")
-    os.makedirs(root)
-    try:
-        with start_agent(workdir, "--watch.path", root, "--watch.mode", "inotify",
-                         "--verify.quiet", "0.5") as agent:
-            d = dcp_save(os.path.join(root, "step-1"))
-
-            def set_records():
-                return [r for r in agent.journal_records()
-                        if r.get("type") == "verification" and r.get("path") == d]
-
-            # An ok verdict is counted, not journaled: two shards and the set.
-            wait_for(lambda: agent.metric("ckptwatch_checkpoint_verifications_total",
-                                          result=OK) == 3,
-                     timeout=30, message=f"3 ok verifications; log:\n{agent.log}")
-            assert set_records() == []
-            name = shards(d, ".distcp")[0]
-            shutil.copyfile(os.path.join(saves["dcp_big"], name), os.path.join(d, name))
-            records = wait_for(set_records, timeout=30,
-                               message=f"a set verdict; log:\n{agent.log}")
-            assert [(r["result"], r["cause"], r["format"]) for r in records] == \
-                [(CORRUPT, "mixed", "dcp")], records
-            assert agent.metric("ckptwatch_corrupt_checkpoints_total", reason="mixed") == 1
-    finally:
-        remove_tree(workdir)

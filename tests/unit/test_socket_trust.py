@@ -1,9 +1,10 @@
-"""Who may talk to the agent and what it reads for them (issue 8 defects 2 and 3, issue 11.4).
+"""Who may talk to the agent and what it reads for them (issue 8 defects 2 and 3, issue 11.4):
+the socket directory, the hook's choice of socket, journal modes, reading with the sender's
+rights (the real agent process refusing and reading: tests/e2e/test_socket_trust.py).
 
 Real sockets, real files, real processes. The tests run as root and play the other local user
 as uid 65534 (nobody): files are chowned to it, or a child process drops to it with setuid.
 """
-import ctypes
 import os
 import socket
 import stat
@@ -11,20 +12,16 @@ import struct
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
 
-from agentproc import launch_agent, start_agent
-from helpers import REPO_ROOT, short_tmpdir, remove_tree, subprocess_env, wait_for
+from helpers import REPO_ROOT, subprocess_env
+from otheruser import NOBODY, needs_root
 from receiver import Receiver
-from ckptwatch import events
 from exporters.journal import Journal
 from monitor.ingest.server import IngestError, IngestServer
 
-NOBODY = 65534
-
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="plays two users: needs root")
+pytestmark = needs_root
 
 
 def _server(path, **kw):
@@ -39,18 +36,10 @@ def _refused(path, **kw) -> str:
     return str(info.value)
 
 
-@pytest.fixture
-def base():
-    path = short_tmpdir("cwt")
-    os.chmod(path, 0o755)
-    yield path
-    remove_tree(path)
-
-
 # --- the agent's socket directory -----------------------------------------------------------
 
-def test_agent_refuses_directory_owned_by_another_user(base):
-    squat = os.path.join(base, "ckptwatch-0")
+def test_agent_refuses_directory_owned_by_another_user(public_dir):
+    squat = os.path.join(public_dir, "ckptwatch-0")
     os.mkdir(squat, 0o700)
     os.chown(squat, NOBODY, NOBODY)
     message = _refused(os.path.join(squat, "agent.sock"))
@@ -58,39 +47,26 @@ def test_agent_refuses_directory_owned_by_another_user(base):
     assert os.listdir(squat) == []
 
 
-@pytest.mark.e2e
-def test_real_agent_exits_1_with_a_clear_message_on_a_squatted_directory(base, tmp_path):
-    squat = os.path.join(base, "squat")
-    os.mkdir(squat, 0o755)
-    os.chown(squat, NOBODY, NOBODY)
-    agent = launch_agent(str(tmp_path), socket=os.path.join(squat, "agent.sock"))
-    try:
-        assert agent.proc.wait(30) == 1
-        assert "owned by uid 65534" in agent.log
-    finally:
-        agent.close()
-
-
-def test_agent_refuses_a_symlinked_directory(base):
-    real = os.path.join(base, "real")
+def test_agent_refuses_a_symlinked_directory(public_dir):
+    real = os.path.join(public_dir, "real")
     os.mkdir(real, 0o700)                       # ours, safe: only the link is wrong
-    link = os.path.join(base, "link")
+    link = os.path.join(public_dir, "link")
     os.symlink(real, link)
     assert "symbolic link" in _refused(os.path.join(link, "agent.sock"))
     assert os.listdir(real) == []
 
 
 @pytest.mark.parametrize("mode", [0o777, 0o757, 0o1777, 0o770, 0o2770])
-def test_agent_refuses_a_directory_others_can_write(base, mode):
-    d = os.path.join(base, "open")
+def test_agent_refuses_a_directory_others_can_write(public_dir, mode):
+    d = os.path.join(public_dir, "open")
     os.mkdir(d)
     os.chmod(d, mode)
     assert "writable by" in _refused(os.path.join(d, "agent.sock"))
 
 
 @pytest.mark.parametrize("mode", [0o700, 0o750, 0o2750, 0o1770, 0o3770])
-def test_agent_accepts_a_directory_only_it_can_change(base, mode):
-    d = os.path.join(base, "ok")
+def test_agent_accepts_a_directory_only_it_can_change(public_dir, mode):
+    d = os.path.join(public_dir, "ok")
     os.mkdir(d)
     os.chmod(d, mode)
     srv = _server(os.path.join(d, "agent.sock"))
@@ -101,8 +77,8 @@ def test_agent_accepts_a_directory_only_it_can_change(base, mode):
         srv.stop()
 
 
-def test_agent_refuses_an_existing_socket_of_another_user(base):
-    d = os.path.join(base, "d")
+def test_agent_refuses_an_existing_socket_of_another_user(public_dir):
+    d = os.path.join(public_dir, "d")
     os.mkdir(d, 0o755)
     path = os.path.join(d, "agent.sock")
     planted = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -117,33 +93,17 @@ def test_agent_refuses_an_existing_socket_of_another_user(base):
         planted.close()
 
 
-def test_agent_creates_its_directory_0700_or_0750_with_a_group(base):
-    srv = _server(os.path.join(base, "new", "agent.sock"))
+def test_agent_creates_its_directory_0700_or_0750_with_a_group(public_dir):
+    srv = _server(os.path.join(public_dir, "new", "agent.sock"))
     srv.start()
     srv.stop()
-    st = os.lstat(os.path.join(base, "new"))
+    st = os.lstat(os.path.join(public_dir, "new"))
     assert stat.S_IMODE(st.st_mode) == 0o700 and st.st_uid == 0
-    srv = _server(os.path.join(base, "grp", "agent.sock"), socket_group=NOBODY)
+    srv = _server(os.path.join(public_dir, "grp", "agent.sock"), socket_group=NOBODY)
     srv.start()
     srv.stop()
-    st = os.lstat(os.path.join(base, "grp"))
+    st = os.lstat(os.path.join(public_dir, "grp"))
     assert stat.S_IMODE(st.st_mode) == 0o750 and st.st_gid == NOBODY
-
-
-@pytest.mark.e2e
-def test_healthz_fails_when_the_socket_is_replaced(tmp_path):
-    with start_agent(str(tmp_path)) as agent:
-        assert agent.get("/healthz")[0] == 200
-        os.unlink(agent.socket)
-        thief = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        thief.bind(agent.socket)
-        thief.listen(1)
-        try:
-            wait_for(lambda: agent.get("/healthz")[0] == 503, timeout=10,
-                     message="/healthz to fail after the socket was replaced")
-            assert "socket" in agent.get("/healthz")[1]
-        finally:
-            thief.close()
 
 
 # --- the hook's choice of socket ------------------------------------------------------------
@@ -171,13 +131,13 @@ def _hook(env, system_dir, as_user=None):
 
 
 @pytest.fixture
-def runtime(base):
+def runtime(public_dir):
     """$XDG_RUNTIME_DIR with a listening ckptwatch/agent.sock; a system dir with none yet."""
-    xdg = os.path.join(base, "xdg")
+    xdg = os.path.join(public_dir, "xdg")
     os.makedirs(os.path.join(xdg, "ckptwatch"), 0o755)
     os.chmod(xdg, 0o755)
     rx = Receiver(os.path.join(xdg, "ckptwatch", "agent.sock")).start()
-    yield {"XDG_RUNTIME_DIR": xdg}, rx, os.path.join(base, "system")
+    yield {"XDG_RUNTIME_DIR": xdg}, rx, os.path.join(public_dir, "system")
     rx.stop()
 
 
@@ -201,9 +161,9 @@ def test_hook_refuses_a_socket_directory_owned_by_another_user(runtime):
     assert rx.connections == 0
 
 
-def test_hook_refuses_a_peer_of_another_user_behind_a_root_owned_file(base):
+def test_hook_refuses_a_peer_of_another_user_behind_a_root_owned_file(public_dir):
     """The file looks right (root's, in root's directory) but a nobody process listens on it."""
-    d = os.path.join(base, "xdg", "ckptwatch")
+    d = os.path.join(public_dir, "xdg", "ckptwatch")
     os.makedirs(d, 0o755)
     os.chown(d, NOBODY, NOBODY)
     path = os.path.join(d, "agent.sock")
@@ -223,8 +183,8 @@ def test_hook_refuses_a_peer_of_another_user_behind_a_root_owned_file(base):
         assert listener.stdout.readline().strip() == "ready"
         os.chown(path, 0, 0)
         os.chown(d, 0, 0)
-        assert _hook({"XDG_RUNTIME_DIR": os.path.join(base, "xdg")},
-                     os.path.join(base, "none")) == "unsent"
+        assert _hook({"XDG_RUNTIME_DIR": os.path.join(public_dir, "xdg")},
+                     os.path.join(public_dir, "none")) == "unsent"
     finally:
         listener.kill()
         out = listener.communicate()[0]
@@ -238,7 +198,7 @@ def test_hook_as_a_user_accepts_the_root_agents_socket(runtime):
     rx.wait_count("start", 1)
 
 
-def test_hook_tries_the_system_socket_first(runtime, base):
+def test_hook_tries_the_system_socket_first(runtime, public_dir):
     env, rx, system = runtime
     os.mkdir(system, 0o755)
     sysrx = Receiver(os.path.join(system, "agent.sock")).start()
@@ -254,7 +214,7 @@ def test_hook_tries_the_system_socket_first(runtime, base):
         sysrx.stop()
 
 
-def test_explicit_socket_wins_over_the_system_socket(runtime, base):
+def test_explicit_socket_wins_over_the_system_socket(runtime, public_dir):
     env, rx, system = runtime
     os.mkdir(system, 0o755)
     sysrx = Receiver(os.path.join(system, "agent.sock")).start()
@@ -267,94 +227,6 @@ def test_explicit_socket_wins_over_the_system_socket(runtime, base):
 
 
 # --- what the agent reads on a sender's behalf ----------------------------------------------
-
-IN_OPEN, IN_ACCESS = 0x20, 0x01
-
-
-class OpenWatch:
-    """inotify on one file: did anybody open it?"""
-
-    def __init__(self, path):
-        libc = ctypes.CDLL(None, use_errno=True)
-        self.fd = libc.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC)
-        assert self.fd >= 0
-        assert libc.inotify_add_watch(self.fd, path.encode(), IN_OPEN | IN_ACCESS) >= 0
-
-    def opened(self) -> bool:
-        try:
-            data = os.read(self.fd, 4096)
-        except BlockingIOError:
-            return False
-        return bool(data)
-
-    def close(self):
-        os.close(self.fd)
-
-
-_SENDER = r'''
-import os, socket, sys, time
-from ckptwatch import events
-sock_path, uid = sys.argv[1], int(sys.argv[2])
-os.setgid(uid); os.setgroups([]); os.setuid(uid)
-s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-s.connect(sock_path)
-for seq, path in enumerate(sys.argv[3:], 1):
-    now = time.time(), time.monotonic()
-    base = {"v": 1, "node": "n", "pid": os.getpid(), "rank": 0, "seq": seq, "path": path,
-            "site": "t.py:1", "func": "f"}
-    s.sendall(events.encode({**base, "type": "start", "wall": now[0], "mono": now[1]}))
-    s.sendall(events.encode({**base, "type": "end", "wall": now[0] + 0.01,
-                             "mono": now[1] + 0.01, "start_wall": now[0],
-                             "start_mono": now[1], "bytes": 100, "outcome": "ok"}))
-s.close()
-'''
-
-SECRET = b"root:$6$SECRETSECRETSECRET:19000:0:99999:7:::\n"
-
-
-@pytest.mark.e2e
-def test_agent_never_reads_a_file_the_sender_could_not(base, tmp_path):
-    secret = os.path.join(base, "shadow")
-    with open(secret, "wb") as f:
-        f.write(SECRET)
-    os.chmod(secret, 0o600)
-    hidden_dir = os.path.join(base, "private")
-    os.mkdir(hidden_dir, 0o700)
-    hidden = os.path.join(hidden_dir, "public.pt")       # 0644, but in a 0700 directory
-    with open(hidden, "wb") as f:
-        f.write(SECRET)
-    os.chmod(hidden, 0o644)
-    mine = os.path.join(base, "nobody")
-    os.mkdir(mine, 0o755)
-    os.chown(mine, NOBODY, NOBODY)
-    readable = os.path.join(mine, "ckpt.pt")             # the sender's own: verified
-    with open(readable, "wb") as f:
-        f.write(SECRET)
-    os.chown(readable, NOBODY, NOBODY)
-    sockdir = os.path.join(base, "sock")
-    os.mkdir(sockdir, 0o755)
-    watches = [OpenWatch(secret), OpenWatch(hidden)]
-    with start_agent(str(tmp_path), "--verify.quiet", "0.2", "--ingest.socket-mode", "0666",
-                     socket=os.path.join(sockdir, "agent.sock")) as agent:
-        subprocess.run([sys.executable, "-c", _SENDER, agent.socket, str(NOBODY), secret,
-                        hidden, readable], env=subprocess_env(), check=True, timeout=60)
-        wait_for(lambda: any(r.get("type") == "verification" and r["path"] == readable
-                             for r in agent.journal_records()), timeout=20,
-                 message=f"the sender's own file verified; log:\n{agent.log}")
-        time.sleep(1.0)
-        records = agent.journal_records()
-        journal_bytes = open(agent.journal, "rb").read()
-        log_text = agent.log
-    opened = [w.opened() for w in watches]
-    for w in watches:
-        w.close()
-    assert opened == [False, False], "the agent opened a file the sender could not read"
-    assert {r["path"] for r in records if r.get("type") == "verification"} == {readable}
-    for blob in (journal_bytes, log_text.encode()):
-        assert b"SECRET" not in blob
-        assert SECRET[:8].hex(" ").encode() not in blob and SECRET[:4].hex().encode() not in blob
-    assert stat.S_IMODE(os.stat(agent.journal).st_mode) & 0o137 == 0
-
 
 def test_journal_files_are_0640_or_stricter_whatever_the_umask(tmp_path):
     old = os.umask(0)
@@ -417,30 +289,30 @@ def _can(path, sender=ALICE) -> bool:
         return False
 
 
-def test_open_as_follows_the_kernels_rules_for_the_sender(base):
-    _file(os.path.join(base, "world"), 0o644)
-    _file(os.path.join(base, "root-only"), 0o600)
-    _file(os.path.join(base, "group"), 0o640, gid=NOBODY)
-    _file(os.path.join(base, "own"), 0o400, uid=NOBODY)
-    locked = os.path.join(base, "locked")
+def test_open_as_follows_the_kernels_rules_for_the_sender(public_dir):
+    _file(os.path.join(public_dir, "world"), 0o644)
+    _file(os.path.join(public_dir, "root-only"), 0o600)
+    _file(os.path.join(public_dir, "group"), 0o640, gid=NOBODY)
+    _file(os.path.join(public_dir, "own"), 0o400, uid=NOBODY)
+    locked = os.path.join(public_dir, "locked")
     os.mkdir(locked, 0o700)
     _file(os.path.join(locked, "world"), 0o644)
-    os.symlink("root-only", os.path.join(base, "to-secret"))
-    os.symlink(os.path.join(locked, "world"), os.path.join(base, "into-locked"))
-    os.symlink("../" + os.path.basename(base) + "/world", os.path.join(base, "round-trip"))
-    os.symlink("loop", os.path.join(base, "loop"))
-    os.mkfifo(os.path.join(base, "fifo"), 0o666)
+    os.symlink("root-only", os.path.join(public_dir, "to-secret"))
+    os.symlink(os.path.join(locked, "world"), os.path.join(public_dir, "into-locked"))
+    os.symlink("../" + os.path.basename(public_dir) + "/world", os.path.join(public_dir, "round-trip"))
+    os.symlink("loop", os.path.join(public_dir, "loop"))
+    os.mkfifo(os.path.join(public_dir, "fifo"), 0o666)
     expect = {"world": True, "root-only": False, "group": True, "own": True,
               "locked/world": False, "to-secret": False, "into-locked": False,
               "round-trip": True, "loop": False, "fifo": False, "missing": False}
-    got = {name: _can(os.path.join(base, name)) for name in expect}
+    got = {name: _can(os.path.join(public_dir, name)) for name in expect}
     assert got == expect
-    assert _can(os.path.join(base, "root-only"), Rights(0, 0, frozenset({0}), read_all=True))
+    assert _can(os.path.join(public_dir, "root-only"), Rights(0, 0, frozenset({0}), read_all=True))
     assert not _can("relative/path")
 
 
-def test_open_as_refuses_a_file_with_an_acl_it_cannot_evaluate(base):
-    path = _file(os.path.join(base, "acl"), 0o644)
+def test_open_as_refuses_a_file_with_an_acl_it_cannot_evaluate(public_dir):
+    path = _file(os.path.join(public_dir, "acl"), 0o644)
     # An ACL whose owning-group entry is --- while the mode's group bits (the mask) say r--.
     acl = struct.pack("<I", 2) + b"".join(struct.pack("<HHI", tag, perm, uid) for tag, perm, uid in
                                           [(0x01, 6, 0xFFFFFFFF), (0x04, 0, 0xFFFFFFFF),
