@@ -177,7 +177,6 @@ for line in sys.stdin:                      # one save per line from the test
 def test_instrumented_process_keeps_reporting_across_an_agent_restart(workdir, sockdir):
     """The real hook in a real Python process, the real agent stopped and started again on the
     same socket: the process never notices, and the new agent gets its later saves."""
-    pytest.importorskip("torch")
     from helpers import subprocess_env
     sock = os.path.join(sockdir, "agent.sock")
     env = subprocess_env(CKPTWATCH_SOCKET=sock, CKPTWATCH_JOB="restart", RANK="0")
@@ -226,7 +225,6 @@ with open(bad, "r+b") as f:
 
 @pytest.mark.torch
 def test_agent_verifies_finished_checkpoints_and_flags_a_torn_one(workdir, sockdir):
-    pytest.importorskip("torch")
     from helpers import subprocess_env
     with start_agent(workdir, *FAST, "--verify.quiet", "0.5") as agent:
         out = os.path.join(workdir, "ckpt")

@@ -101,11 +101,12 @@ def test_hazard_records_of_any_kind_fail_the_check(tmp_path):
     assert (incomplete.verdict, incomplete.exit_code) == ("incomplete", 1)
 
 
+@pytest.mark.torch
 def test_corrupt_checkpoint_in_a_watched_directory_fails_the_check(tmp_path):
     """A process that is not Python (no hook) leaves a truncated .pt in a watched directory:
     the agent's watcher sees it and its verifier finds it corrupt. Unwatched, nothing is seen:
     the verdict comes from --watch.path."""
-    torch = pytest.importorskip("torch")
+    import torch
     buf = io.BytesIO()
     torch.save({"w": torch.arange(50_000)}, buf)
     source = tmp_path / "good.bin"
@@ -132,7 +133,6 @@ def test_corrupt_checkpoint_in_a_watched_directory_fails_the_check(tmp_path):
 
 @pytest.mark.torch
 def test_unguarded_two_rank_job_fails(tmp_path):
-    pytest.importorskip("torch")
     result = run_check("--", *torchrun(tmp_path / "out", "every-rank"))
     assert result.returncode == 1, result.stderr[-3000:]
     err = result.stderr
@@ -145,7 +145,6 @@ def test_unguarded_two_rank_job_fails(tmp_path):
 
 @pytest.mark.torch
 def test_guarded_two_rank_job_passes_and_json_has_the_documented_shape(tmp_path):
-    pytest.importorskip("torch")
     out = tmp_path / "out"
     keep = tmp_path / "keep"
     # Hook only: with --watch.path, a watcher's change notice handled after the hook's end
@@ -171,7 +170,6 @@ def test_the_verdict_waits_for_a_verification_still_to_come(tmp_path):
     """The checkpoint is verified 8 s after its save (--verify.quiet 8), longer than the 1 s
     of --idle and than the command's exit after the save: the verdict is there only because
     check waits for ckptwatch_verifications_pending to reach 0."""
-    pytest.importorskip("torch")
     result = run_check("--format", "json", "--verify.quiet", "8", "--", PY, "-c",
                        "import sys, torch; torch.save({'w': torch.zeros(8)}, sys.argv[1])",
                        str(tmp_path / "model.pt"))
@@ -246,7 +244,6 @@ EXAMPLE = os.path.join(REPO_ROOT, "docs", "examples", "pre-merge-check.sh")
 
 @pytest.mark.torch
 def test_pre_merge_script_fails_an_unguarded_job():
-    pytest.importorskip("torch")
     result = subprocess.run(
         ["sh", EXAMPLE, "--save", "every-rank", "--width", "256"], cwd=REPO_ROOT,
         capture_output=True, text=True, timeout=300,

@@ -154,6 +154,7 @@ mutation = st.tuples(st.sampled_from(["overwrite", "insert", "delete", "truncate
                      st.floats(0, 1), st.binary(min_size=1, max_size=16))
 
 
+@pytest.mark.torch
 @FUZZ
 @given(st.sampled_from(["dict.pt", "p4.pt", "legacy.pt", "t.safetensors"]),
        st.lists(mutation, min_size=1, max_size=4))
@@ -226,6 +227,7 @@ def _careful_accepts(data: bytes) -> bool:
         return False
 
 
+@pytest.mark.torch
 @FUZZ
 @given(st.binary(min_size=0, max_size=400))
 def test_verify_zip_records_from_arbitrary_directory_bytes(blob):
