@@ -60,8 +60,17 @@ def test_an_error_filter_does_not_turn_the_warning_into_an_exception():
 
 @pytest.mark.parametrize("detail", [None, 3, {"kind": 5, "others": "x"}, {"others": [None]},
                                     object()])
-def test_odd_details_never_raise(detail):
-    policy.notice_unsafe("/t.py:9", detail)
+def test_odd_details_still_warn_naming_the_site_and_the_fix(detail):
+    # notice_unsafe never raises whatever happens inside it (an error is only counted), so
+    # what can break is the user's warning: an odd detail from the agent must still give it.
+    errors = policy.stats()["errors"]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert policy.notice_unsafe("/t.py:9", detail) is True
+    assert policy.stats()["errors"] == errors
+    (warning,) = [w for w in caught if w.category is policy.CheckpointCollisionWarning]
+    text = str(warning.message)
+    assert text.startswith("unsafe checkpoint save at /t.py:9") and "dist.get_rank() == 0" in text
 
 
 # ---- the notice contract -----------------------------------------------------------------
