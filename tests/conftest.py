@@ -8,7 +8,7 @@ import pytest
 # The one place the shared helpers (tests/support/) are put on the path: test files in both
 # tiers, and scripts run from them, import them by module name (`from helpers import wait_for`).
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "support"))
-from helpers import remove_tree, short_tmpdir  # noqa: E402
+from helpers import remove_tree, short_tmpdir, wait_for  # noqa: E402
 
 # Fixtures that tests of both tiers share and that belong with their support module's helpers
 # (each module says what its fixtures are): a fixture is defined once, in one of these or below.
@@ -99,14 +99,11 @@ def no_thread_leak():
     """Fail a test that leaves threads running (watchdog's habit)."""
     before = set(threading.enumerate())
     yield
-    import time
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline:
-        leaked = [t for t in threading.enumerate() if t not in before and t.is_alive()]
-        if not leaked:
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"leaked threads: {leaked}")
+
+    def leaked():
+        return [t for t in threading.enumerate() if t not in before and t.is_alive()]
+    wait_for(lambda: not leaked(), timeout=5, interval=0.05,
+             message=lambda: f"no leaked threads: {leaked()}")
 
 
 @pytest.fixture

@@ -117,6 +117,8 @@ def test_agent_never_reads_a_file_the_sender_could_not(public_dir, tmp_path):
         wait_for(lambda: any(r.get("type") == "verification" and r["path"] == readable
                              for r in agent.journal_records()), timeout=20,
                  message=f"the sender's own file verified; log:\n{agent.log}")
+        # The other two were reported first: an agent that was going to open them would
+        # have within the second that follows (their verification was due with this one).
         time.sleep(1.0)
         records = agent.journal_records()
         journal_bytes = open(agent.journal, "rb").read()

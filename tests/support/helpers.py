@@ -11,15 +11,19 @@ import time
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def wait_for(predicate, timeout: float = 10.0, interval: float = 0.02, message: str = ""):
-    """Poll predicate() until it returns a truthy value; return it, or fail after timeout."""
+def wait_for(predicate, timeout: float = 10.0, interval: float = 0.02, message=""):
+    """Poll predicate() until it returns a truthy value; return it, or fail after timeout.
+    The one way tests wait for something to happen (a fixed sleep either waits too long or,
+    on a busy machine, not long enough). message: what was awaited, or a function giving it
+    (called at the timeout, so it can say what the state was then)."""
     deadline = time.monotonic() + timeout
     while True:
         value = predicate()
         if value:
             return value
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {message or predicate}")
+            what = message() if callable(message) else message
+            raise AssertionError(f"timed out after {timeout}s waiting for {what or predicate}")
         time.sleep(interval)
 
 

@@ -6,7 +6,6 @@ import stat
 import subprocess
 import sys
 import threading
-import time
 
 import pytest
 
@@ -443,7 +442,9 @@ def test_forked_child_cannot_speak_as_its_exited_parent(server):
     assert proc.returncode == 0
     wait_for(lambda: server.rec.rejects or len(server.rec.events) > 1,
              message="the child's events judged")
-    time.sleep(0.2)                   # anything else the child sent has been read by now
+    # Whatever else the child sent has been read once its connection is gone (closed by the
+    # server, or at the child's exit: both processes have exited by now).
+    wait_for(lambda: server.connections == 0, message="the child's connection read to its end")
     assert [e["seq"] for e in server.rec.events] == [1]
     assert server.rec.rejects == ["pid_mismatch"]
     assert server.evicted["foreign_writer"] == 1

@@ -152,15 +152,21 @@ def test_full_agent_evicts_the_biggest_holder_not_the_newcomer(make_server, peer
 
 def test_refusals_log_one_line_then_a_rate_limited_summary(make_server, caplog):
     caplog.set_level(logging.INFO, logger="ckptwatch.ingest")
-    srv = make_server(max_per_pid=4, log_interval=0.5)
+    skipped = [0.0]          # the server's clock is moved past the log interval, not slept through
+    srv = make_server(max_per_pid=4, log_interval=0.5,
+                      clock=lambda: time.monotonic() + skipped[0])
     held = hold(srv.path, 1000)
+
+    def warnings_logged():
+        return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     try:
         wait_for(lambda: srv.refused["pid_limit"] == 996)
-        time.sleep(0.7)
+        skipped[0] += 0.7
         held += hold(srv.path, 10)       # refusals after the interval bring the summary
         wait_for(lambda: srv.refused["pid_limit"] == 1006)
-        time.sleep(0.2)
-        lines = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+        wait_for(lambda: any("suppressed" in line for line in warnings_logged()),
+                 message=lambda: f"a summary line; logged: {warnings_logged()}")
+        lines = warnings_logged()
         assert len(lines) <= 3, lines
         assert "refusing" in lines[0] and "pid_limit" in lines[0]
         assert any("suppressed" in line for line in lines[1:]), lines

@@ -31,6 +31,8 @@ def notice(n: int = 0) -> bytes:
 
 
 def frames_in(sock: socket.socket, timeout: float = 2.0) -> list[bytes]:
+    """The frames that arrive, the first within `timeout`, until the socket is quiet for 0.3 s:
+    the server sends what it has in one turn, so a pause that long means no more is coming."""
     reader = events.FrameReader(events.MAX_NOTICE_BYTES)
     got = []
     sock.settimeout(timeout)

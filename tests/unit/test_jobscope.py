@@ -58,11 +58,16 @@ def test_two_nodes_learn_each_others_overlapping_write_and_name_the_hazards(job_
     wait_for(lambda: a.active() and b.active() and c.active(), message="connected")
     path = os.path.join(SHARED, "last.pt")
     pa, pb, pc = a.begin(path), b.begin(path), c.begin(path)
-    time.sleep(0.05)
+    # The three starts have their store tickets before any end takes one: the writes overlap
+    # in the store's order, whatever the scheduler does with the scopes' threads.
+    wait_for(lambda: all(r.scope.counters["announced"] == 1 for r in (a, b, c)),
+             message="the three starts announced")
     for rank, pending in ((a, pa), (b, pb), (c, pc)):
         rank.end(pending)
     wait_for(lambda: a.of_type("remote") and b.of_type("remote"), message="remote reports")
-    time.sleep(0.3)
+    # No more reports are to come (c is a's local peer): one poll of the path (POLL_FIRST)
+    # and slack after the first reports would have brought them.
+    time.sleep(jobscope.POLL_FIRST + 0.1)
     remote_a = a.of_type("remote")
     assert [(e["writer"]["node"], e["writer"]["rank"], e["overlap"]) for e in remote_a] == [
         ("node-b", 2, True)]
@@ -85,6 +90,8 @@ def test_a_later_writer_is_found_by_the_earlier_ones_poll(job_store):
     wait_for(lambda: a.active() and b.active(), message="connected")
     path = os.path.join(SHARED, "later.pt")
     a.save(path)
+    # a's end read the path and its first polls (POLL_FIRST, then twice that) re-read it:
+    # alone on it, a has nothing to report.
     time.sleep(0.5)
     assert a.of_type("remote") == []
     b.save(path)
@@ -113,6 +120,8 @@ def test_unreachable_store_never_blocks_a_save_and_disables_job_scope():
 def test_ranks_started_before_the_store_connect_once_it_is_up():
     port = free_port()
     a = Rank(port, "node-a", 0, 0)
+    # The store comes up after the rank has been trying for a while (0.5 s of a 60 s
+    # CONNECT_BUDGET: it keeps trying instead of giving up).
     time.sleep(0.5)
     assert a.scope.state == "connecting"
     server = master_store(port)
