@@ -1,7 +1,7 @@
 """Issue 8's "done when", as one test: under a 1,000,000-frame flood carrying 200,000 distinct
 label values, 1,024 connections held from one process, a memo-bomb checkpoint in the watched
 directory and repeated scrapes, one real agent stays under 150 MB RSS and still journals real
-collisions within 5 s of their second end (the harness is tests/soak.py; `python
+collisions within 5 s of their second end (the harness is tests/support/soak.py; `python
 bench/soak.py` prints the same figures)."""
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ def test_every_hostile_input_is_counted_not_lost(figures):
     past the per-process cap, the starts past the open-write caps, label values past the
     caps."""
     rejected = figures.rejected
-    # Per 20 frames the flood sends 4 bad ones and 1 claiming another pid (tests/soak.py).
+    # Per 20 frames the flood sends 4 bad ones and 1 claiming another pid (tests/support/soak.py).
     assert rejected["malformed"] > FRAMES * 0.05, describe(figures)
     assert rejected["incomplete"] > 0 and rejected["unknown_version"] > 0
     assert rejected["pid_mismatch"] >= FRAMES // 20 * 0.99

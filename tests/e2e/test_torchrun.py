@@ -147,7 +147,7 @@ def test_two_nodes_with_local_rank0_guard_collide_on_shared_storage(agent):
     for node_rank, node in enumerate(("node-a", "node-b")):
         env = {k: v for k, v in os.environ.items() if not k.startswith("CKPTWATCH_")}
         # Node scope only: one agent sees both "nodes"' processes on this host (job scope,
-        # which would add each node's view of the other, has tests/test_e2e_jobscope.py).
+        # which would add each node's view of the other, has tests/e2e/test_jobscope.py).
         env.update({"CKPTWATCH_JOB": job, "CKPTWATCH_NODE": node, "OMP_NUM_THREADS": "1",
                     "CKPTWATCH_JOBSCOPE": "0"})
         cmd = [sys.executable, "-m", "monitor.cli", "run", "--socket", agent.socket, "--",

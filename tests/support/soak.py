@@ -1,6 +1,6 @@
 """The combined hostile soak of issue 8: one real agent under every attack at once.
 
-    figures = run_soak(workdir)      # tests/test_soak.py asserts them, bench/soak.py prints them
+    figures = run_soak(workdir)   # tests/e2e/test_soak.py asserts them, bench/soak.py prints them
 
 One agent (`python agent.py`, default flags plus --watch.path on a directory, so dropped
 checkpoints are verified) while, concurrently:

@@ -1,7 +1,7 @@
 """ckptwatch.emitter: one frame per short save, acknowledgements, resending, and whatever an
 agent may send back (the hook must survive all of it).
 
-In-process Emitters against real Unix sockets: the test Receiver (tests/receiver.py, acking
+In-process Emitters against real Unix sockets: the test Receiver (tests/support/receiver.py, acking
 like an agent when asked) or a hand-driven server socket."""
 import os
 import socket

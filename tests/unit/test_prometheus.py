@@ -320,7 +320,7 @@ def test_healthz_that_raises_is_unhealthy_not_fatal(fed_state, no_thread_leak):
 
 
 def test_unknown_path_is_404(server):
-    # "/" is the index page (tests/test_metrics_tls.py).
+    # "/" is the index page (tests/unit/test_metrics_tls.py).
     assert get(f"http://127.0.0.1:{server.port}/nope")[0] == 404
     assert get(f"http://127.0.0.1:{server.port}/metrics/x")[0] == 404
 

@@ -336,7 +336,7 @@ def test_hostile_set_indexes_stay_under_the_memory_bound():
     verdicts = [json.loads(line) for line in out.splitlines()]
     assert len(verdicts) == 2 and verdicts[0][0] != OK, verdicts
     assert not any(v[2].startswith("verifier error") for v in verdicts), verdicts
-    # interpreter ~16 MiB + the verifier's ~64 MiB bound + slack (as tests/test_fuzz.py)
+    # interpreter ~16 MiB + the verifier's ~64 MiB bound + slack (as tests/unit/test_fuzz.py)
     assert peak is not None and peak < 120 << 20, f"peak RSS {peak >> 20} MiB"
 
 
