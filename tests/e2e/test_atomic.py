@@ -1,8 +1,8 @@
 """End to end: CKPTWATCH_POLICY=atomic under real 4-rank torchrun races (gloo, CPU).
 
 Every rank saves its own state (monitor.cli.demo_job's) to one path at once, after a barrier,
-in 20 rounds with a path per round (tests/support/corpus.py's race worker), under `ckptwatch run` with
-a real agent. With the atomic policy every checkpoint must load and be exactly one rank's
+in 20 rounds with a path per round (tests/support/corpus.py's race worker), under `ckptwatch
+run` with a real agent. With the atomic policy every checkpoint must load and be exactly one rank's
 state, no temporary file may be left, and the agent must still report the collisions: the
 guard is still missing, only the damage is gone.
 """

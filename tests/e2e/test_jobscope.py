@@ -262,7 +262,8 @@ def test_store_keys_do_not_grow_with_the_number_of_saves(job_store):
     wait_for(lambda: a.scope.counters["announced"] + a.scope.counters["dropped"] >= 5000
              and b.scope.counters["announced"] + b.scope.counters["dropped"] >= 5000,
              timeout=120, message="every save announced or dropped")
-    after = wait_for(lambda: job_store.num_keys() <= before + 1 and job_store.num_keys(), timeout=30,
+    after = wait_for(lambda: job_store.num_keys() <= before + 1 and job_store.num_keys(),
+                     timeout=30,
                      message=f"keys back to {before} + ticket counter (now {job_store.num_keys()})")
     assert after == before + 1
     assert peak < 5000, peak        # the saves of the last windows, not all 10,000

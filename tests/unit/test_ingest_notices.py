@@ -4,7 +4,6 @@ Real IngestServer, real Unix socket clients in this process (their pid is ours, 
 server's pid check passes)."""
 import os
 import socket
-import time
 
 import pytest
 
