@@ -1,6 +1,6 @@
 """What 200,000 distinct training_job / rank values do to /metrics (issue 8, defect 4).
 
-Feeds the hostile flood of tests/test_prometheus_limits.py (half the writes a new job, half a
+Feeds the hostile flood of tests/unit/test_prometheus_limits.py (half the writes a new job, half a
 new rank of one job, plus collisions, findings and in-flight writes of new jobs) into a
 MetricsState with the default label limits, then scrapes a real MetricsServer over HTTP, plain
 and gzip-compressed, and prints the body sizes, one scrape's time and the process's peak RSS.
@@ -18,12 +18,12 @@ import urllib.request
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
-sys.path.insert(0, os.path.join(REPO, "tests"))
+sys.path.insert(0, os.path.join(REPO, "tests", "support"))
 
 from exporters.metrics.collector import build_registry  # noqa: E402
 from exporters.metrics.server import MetricsServer  # noqa: E402
 from exporters.metrics.state import MetricsState  # noqa: E402
-from test_prometheus_limits import flood  # noqa: E402
+from labelflood import flood  # noqa: E402
 
 
 def main() -> None:

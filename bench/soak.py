@@ -1,4 +1,4 @@
-"""The combined hostile soak of issue 8 (tests/soak.py), with its figures printed: a real
+"""The combined hostile soak of issue 8 (tests/support/soak.py), with its figures printed: a real
 agent under a 1,000,000-frame flood carrying 200,000 distinct label values, 1,024 connections
 held from one process, a memo-bomb checkpoint in its watched directory and repeated scrapes,
 while real collisions are timed from the second end to the journal.
@@ -16,7 +16,7 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
-sys.path.insert(0, os.path.join(REPO, "tests"))
+sys.path.insert(0, os.path.join(REPO, "tests", "support"))
 
 import soak  # noqa: E402
 

@@ -5,17 +5,40 @@ import threading
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from helpers import remove_tree, short_tmpdir  # noqa: E402
+# The one place the shared helpers (tests/support/) are put on the path: test files in both
+# tiers, and scripts run from them, import them by module name (`from helpers import wait_for`).
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "support"))
+from helpers import remove_tree, short_tmpdir, wait_for  # noqa: E402
 
-# Tiers (markers registered in pyproject.toml): `-m "not e2e"` is the fast tier; a test marked
-# `torch` skips, with the reason, where torch is not installed instead of failing.
+# Fixtures that tests of both tiers share and that belong with their support module's helpers
+# (each module says what its fixtures are): a fixture is defined once, in one of these or below.
+pytest_plugins = ["ckptsets", "jobstore", "metricsserve", "otheruser", "tlsfiles"]
+
+# Tiers (markers registered in pyproject.toml). The tier is the path: every test under
+# tests/e2e/ is marked `e2e` here (`-m "not e2e"` and `tests/unit` are the same fast tier), and
+# one marked e2e anywhere else stops the run. A test marked `torch` skips, with the reason,
+# where torch is not installed instead of failing.
+_E2E_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "e2e") + os.sep
 _HAVE_TORCH = importlib.util.find_spec("torch") is not None
 _UNGROUPED = pytest.StashKey[bool]()     # a test xdist should have grouped and did not
 
 
+def _mark_the_tier(items):
+    misplaced = []
+    for item in items:
+        if str(item.path).startswith(_E2E_DIR):
+            item.add_marker(pytest.mark.e2e)
+        elif item.get_closest_marker("e2e") is not None:
+            misplaced.append(item.nodeid)
+    if misplaced:
+        raise pytest.UsageError("marked e2e outside tests/e2e/ (the tier is the path: move "
+                                "them there): " + ", ".join(misplaced))
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_collection_modifyitems(config, items):
+    # Before `-m` deselects anything (pytest's own hook runs inside this wrapper).
+    _mark_the_tier(items)
     # scripts/test runs the suite on two pytest-xdist workers with --dist loadgroup. The marks
     # go on before xdist's own hook reads them (a wrapper runs first), and are checked after it.
     # - End-to-end tests form one group: they run one at a time, in collection order, on one
@@ -66,18 +89,21 @@ def sockdir():
 
 
 @pytest.fixture
+def workdir(tmp_path):
+    """tmp_path as a string, where the agent's journal and the hook's checkpoints go."""
+    return str(tmp_path)
+
+
+@pytest.fixture
 def no_thread_leak():
     """Fail a test that leaves threads running (watchdog's habit)."""
     before = set(threading.enumerate())
     yield
-    import time
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline:
-        leaked = [t for t in threading.enumerate() if t not in before and t.is_alive()]
-        if not leaked:
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"leaked threads: {leaked}")
+
+    def leaked():
+        return [t for t in threading.enumerate() if t not in before and t.is_alive()]
+    wait_for(lambda: not leaked(), timeout=5, interval=0.05,
+             message=lambda: f"no leaked threads: {leaked()}")
 
 
 @pytest.fixture

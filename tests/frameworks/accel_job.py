@@ -1,4 +1,4 @@
-"""A tiny accelerate job for tests/test_frameworks.py. Run under torch.distributed.run (CPU).
+"""A tiny accelerate job for tests/e2e/test_frameworks.py. Run under torch.distributed.run (CPU).
 
     --save state     accelerator.save_state(DIR/state) — correct: accelerate guards its saves
     --save unguarded every process calls torch.save(unwrap_model(model).state_dict(), DIR/model.pt)

@@ -1,5 +1,5 @@
 """A tiny transformers Trainer job (2-layer BERT built from a config, synthetic data), for
-tests/test_frameworks.py. Run under torch.distributed.run on CPU with gloo.
+tests/e2e/test_frameworks.py. Run under torch.distributed.run on CPU with gloo.
 
     python -m torch.distributed.run --standalone --nproc-per-node 2 hf_trainer.py --out DIR
 """

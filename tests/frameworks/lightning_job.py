@@ -1,4 +1,4 @@
-"""A tiny Lightning job for tests/test_frameworks.py: Trainer(accelerator="cpu", devices=2,
+"""A tiny Lightning job for tests/e2e/test_frameworks.py: Trainer(accelerator="cpu", devices=2,
 strategy="ddp"), launched as a plain `python lightning_job.py --out DIR` (Lightning starts
 its own second process), with ModelCheckpoint saving every 2 steps plus last.ckpt.
 

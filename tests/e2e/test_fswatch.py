@@ -1,0 +1,288 @@
+"""End to end without the hook: a real agent watching a directory (--watch.path) and real
+torchrun jobs (gloo, CPU) that know nothing of ckptwatch. Then the same with the hook: one
+collision, seen by both sources."""
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+import uuid
+
+import pytest
+
+from agentproc import start_agent
+from helpers import REPO_ROOT, remove_tree, short_tmpdir, wait_for
+
+pytest.importorskip("torch")
+pytest.importorskip("watchdog")
+
+pytestmark = pytest.mark.torch
+
+NPROC = 4
+
+
+def _clean_env() -> dict:
+    """This environment without ckptwatch's variables (the jobs here know nothing of it)."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("CKPTWATCH_")}
+
+
+def _fanotify_unusable() -> str:
+    from monitor.fs import fanotify
+    return fanotify.available("/tmp")[1]
+
+
+# (observer mode, attribution): how the agent sees files change x how it names writers.
+SETUPS = [("inotify", "fanotify"), ("inotify", "proc"), ("polling", "fanotify"),
+          ("polling", "proc")]
+
+
+@pytest.fixture(params=SETUPS, ids=["-".join(s) for s in SETUPS])
+def watched(request):
+    """(agent, watched directory, mode, attribution) for each setup."""
+    mode, attribution = request.param
+    if attribution == "fanotify" and (why := _fanotify_unusable()):
+        pytest.skip(f"fanotify: {why}")
+    workdir = short_tmpdir("cwf")
+    root = os.path.join(workdir, "ckpt")
+    os.makedirs(root)
+    with start_agent(workdir, "--collision.settle", "1.0", "--watch.path", root,
+                     "--watch.mode", mode, "--watch.poll-interval", "0.2",
+                     "--watch.attribution", attribution, "--verify.quiet", "0.5") as agent:
+        yield agent, root, mode, attribution
+    remove_tree(workdir)
+
+
+def _short_saves_anonymous(mode, attribution):
+    if mode == "polling" and attribution == "proc":
+        pytest.skip("polling sees a file change between polls, not who had it open: a save "
+                    "shorter than a poll is over before a /proc scan (fanotify names it)")
+
+
+def torchrun(out: str, mode: str, *, hook_socket: str | None = None) -> str:
+    job = f"fs-{mode}-{uuid.uuid4().hex[:6]}"
+    env = _clean_env()
+    env.update({"CKPTWATCH_JOB": job, "OMP_NUM_THREADS": "1"})
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+           str(NPROC), "-m", "monitor.cli.demo_job", "--out", out, "--save", mode,
+           "--width", "2048"]
+    if hook_socket:
+        cmd = [sys.executable, "-m", "monitor.cli", "run", "--socket", hook_socket, "--"] + cmd
+    result = subprocess.run(cmd, env=env, cwd=REPO_ROOT, capture_output=True, text=True,
+                            timeout=240)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    return job
+
+
+def collisions(agent, path):
+    return [r for r in agent.journal_records()
+            if r.get("type") == "collision" and r["path"] == path]
+
+
+def test_every_rank_saving_is_a_collision_seen_by_the_filesystem_alone(watched):
+    agent, root, mode, attribution = watched
+    _short_saves_anonymous(mode, attribution)
+    out = os.path.join(root, "every")
+    job = torchrun(out, "every-rank")
+    path = os.path.join(out, "last.pt")
+    wait_for(lambda: collisions(agent, path), timeout=30, message="fs collision")
+    agent.wait_judged()                   # a second collision for the same save would show now
+    found = collisions(agent, path)
+    writers = [w for c in found for w in c["writers"]]
+    if attribution == "fanotify":
+        # The kernel names every writer, in order: one collision, all four ranks.
+        assert len(found) == 1, found
+        assert sorted(w["rank"] for w in writers) == [0, 1, 2, 3]
+    else:
+        # Usually one collision. /proc attribution times a write by when it observed the
+        # open and the close, so under load a late-attributed writer can fall outside the
+        # first group and form a second one; each is a real overlap of different processes.
+        assert 1 <= len(found) <= 2, found
+    assert all(c["kind"] == "concurrent" and c["sources"] == ["fs"] for c in found)
+    assert all(len({w["pid"] for w in c["writers"]}) >= 2 for c in found)
+    # Attribution read RANK and the job id from each writer's environment.
+    ranks = {w["rank"] for w in writers}
+    assert ranks <= {0, 1, 2, 3} and len(ranks) == len({w["pid"] for w in writers}) >= 2
+    assert {w["job"] for w in writers} == {job}
+    assert all(w["source"] == "fs" for w in writers)
+    assert agent.metric("ckptwatch_collisions_total", kind="concurrent",
+                        source="fs") == len(found)
+
+
+def test_rank0_alone_is_not_a_collision_for_the_filesystem_either(watched):
+    agent, root, mode, attribution = watched
+    out = os.path.join(root, "rank0")
+    torchrun(out, "rank0")
+    path = os.path.join(out, "last.pt")
+    # Either way the finished file is seen and verified (under polling: once its size and
+    # mtime are stable; a save this short is over before a scan can attribute it).
+    wait_for(lambda: agent.metric("ckptwatch_checkpoint_verifications_total", result="ok"),
+             timeout=30, message="the watcher saw the finished checkpoint")
+    if mode == "inotify" or attribution == "fanotify":
+        (w,) = [r for r in agent.journal_records()
+                if r.get("type") == "write" and r["path"] == path]
+        assert (w["rank"], w["source"]) == (0, "fs")
+    agent.wait_judged()                   # everything it saw is judged: proves the absence
+    assert collisions(agent, path) == []
+    assert not agent.metric("ckptwatch_collisions_total", kind="concurrent")
+
+
+def test_with_the_hook_too_one_collision_names_both_sources(watched):
+    agent, root, mode, attribution = watched
+    _short_saves_anonymous(mode, attribution)
+    out = os.path.join(root, "both")
+    torchrun(out, "every-rank", hook_socket=agent.socket)
+    path = os.path.join(out, "last.pt")
+    wait_for(lambda: collisions(agent, path), timeout=30, message="collision")
+    agent.wait_judged()                   # a second collision for the same save would show now
+    found = collisions(agent, path)
+    assert len(found) == 1, found
+    c = found[0]
+    assert c["sources"] == ["fs", "hook"]
+    # Each rank once, with the hook's exact identity and call site.
+    assert sorted(w["rank"] for w in c["writers"]) == [0, 1, 2, 3]
+    assert all(w["source"] == "hook" and w["site"] for w in c["writers"])
+    assert agent.metric("ckptwatch_collisions_total", kind="concurrent", source="hook") == 1
+    assert not agent.metric("ckptwatch_collisions_total", kind="concurrent", source="fs")
+    # Each save counted once, not once per witness.
+    writes = [r for r in agent.journal_records()
+              if r.get("type") == "write" and r["path"] == path]
+    assert len(writes) == NPROC, [(w["pid"], w["source"]) for w in writes]
+
+
+def test_polling_verifies_what_a_race_left_on_disk(watched):
+    """The network-filesystem mode: no opens or closes, only size/mtime between polls. It
+    still finds the finished file and verifies it, so a torn checkpoint is flagged."""
+    agent, root, mode, attribution = watched
+    if mode != "polling":
+        pytest.skip("the polling mode's guarantee")
+    from monitor.verify.integrity import verify
+    out = os.path.join(root, "race")
+    torchrun(out, "every-rank")
+    path = os.path.join(out, "last.pt")
+    truth = verify(path, deep=True).status
+    wait_for(lambda: agent.metric("ckptwatch_checkpoint_verifications_total", result=truth),
+             timeout=30, message=f"the agent's verdict ({truth})")
+    corrupt = [r for r in agent.journal_records()
+               if r.get("type") == "verification" and r["path"] == path]
+    assert [r["result"] for r in corrupt] == (["corrupt"] if truth == "corrupt" else [])
+
+
+WRITER = r"""
+import sys, time
+with open(sys.argv[1], "wb") as f:
+    f.write(b"x" * 4096); f.flush()
+    print("writing", flush=True)
+    time.sleep(4)
+"""
+READER = r"""
+import sys, time
+with open(sys.argv[1], "rb") as f:
+    f.read(); print("reading", flush=True)
+    time.sleep(2)
+"""
+
+
+@contextlib.contextmanager
+def holding_open(path: str, job: str):
+    """A rank-0 process of `job` that has written `path` and keeps it open (WRITER)."""
+    env = {**_clean_env(), "RANK": "0", "CKPTWATCH_JOB": job}
+    writer = subprocess.Popen([sys.executable, "-c", WRITER, path], stdout=subprocess.PIPE,
+                              text=True, env=env)
+    try:
+        assert writer.stdout.readline() == "writing\n"
+        yield writer
+    finally:
+        writer.kill()
+        writer.wait()
+
+
+def test_reading_a_checkpoint_while_another_process_writes_it_is_a_torn_read(watched):
+    agent, root, mode, attribution = watched
+    if mode == "polling":
+        pytest.skip("opens for reading are inotify events; polling sees content changes only")
+    path = os.path.join(root, "being-written.pt")
+    env = _clean_env()
+    with holding_open(path, "torn"):
+        # The watcher has attributed the writer first: its write is in flight at the agent.
+        wait_for(lambda: agent.metric("ckptwatch_active_writes", training_job="torn"), timeout=15,
+                 message="the writer's write in flight")
+        reader = subprocess.run([sys.executable, "-c", READER, path], capture_output=True,
+                                text=True, env={**env, "CKPTWATCH_JOB": "eval"}, timeout=30)
+        assert reader.stdout == "reading\n"
+        wait_for(lambda: agent.metric("ckptwatch_torn_reads_total"), timeout=15,
+                 message="torn read counted")
+        (finding,) = wait_for(lambda: [r for r in agent.journal_records()
+                                       if r.get("type") == "torn_read"], timeout=10,
+                              message="torn read journaled")
+        assert finding["path"] == path and finding["writers"][0]["rank"] == 0
+
+
+BLINK = r"""
+import sys, time
+with open(sys.argv[1], "r+b") as f:        # in place, no truncation: a few microseconds
+    f.write(b"y" * 100)
+print("done", flush=True)
+time.sleep(0.5)      # the write is short, the process is not: a trainer outlives its saves
+"""
+
+
+def test_a_write_shorter_than_any_scan_is_still_named(watched):
+    """What /proc attribution cannot do: a second process writes the checkpoint for a few
+    microseconds while the first holds it open. fanotify names both, under polling too."""
+    agent, root, mode, attribution = watched
+    if attribution != "fanotify":
+        pytest.skip("a /proc scan cannot see a write that is over before it runs")
+    path = os.path.join(root, "blink.pt")
+    with holding_open(path, "blink") as writer:
+        blink = subprocess.run([sys.executable, "-c", BLINK, path], capture_output=True,
+                               text=True, env={**_clean_env(), "RANK": "1",
+                                               "CKPTWATCH_JOB": "blink"}, timeout=30)
+        assert blink.stdout == "done\n", blink.stderr
+        writer.wait(timeout=30)
+        (c,) = wait_for(lambda: collisions(agent, path), timeout=15, message="collision")
+        assert c["kind"] == "concurrent" and c["sources"] == ["fs"]
+        assert sorted((w["rank"], w["job"]) for w in c["writers"]) == \
+               [(0, "blink"), (1, "blink")]
+
+
+ATOMIC_SAVE = r"""
+import os, sys, tempfile
+dest = sys.argv[1]
+fd, tmp = tempfile.mkstemp(dir=os.path.dirname(dest))     # like safetensors / HF hub
+with os.fdopen(fd, "wb") as f:
+    f.write(os.urandom(4096))
+os.replace(tmp, dest)
+"""
+
+
+def test_atomic_saves_by_two_ranks_are_redundant_never_concurrent():
+    """Each rank writes a temporary file and renames it onto the same checkpoint: the file
+    is always whole (no concurrent collision, no false alarm), but two processes of one job
+    wrote it and the last rename silently won: a redundant-write collision naming both."""
+    if why := _fanotify_unusable():
+        pytest.skip(f"fanotify: {why}")
+    workdir = short_tmpdir("cwr")
+    root = os.path.join(workdir, "ckpt")
+    os.makedirs(root)
+    dest = os.path.join(root, "model.safetensors")
+    env = _clean_env()
+    try:
+        with start_agent(workdir, "--collision.settle", "0.5", "--collision.window", "2",
+                         "--watch.path", root, "--watch.attribution", "fanotify",
+                         "--verify.quiet", "0.3") as agent:
+            for rank in (0, 1):
+                subprocess.run([sys.executable, "-c", ATOMIC_SAVE, dest], check=True,
+                               timeout=30, env={**env, "RANK": str(rank),
+                                                "TORCHELASTIC_RUN_ID": "atomic-job"})
+            (c,) = wait_for(lambda: collisions(agent, dest), timeout=20,
+                            message="redundant collision")
+            assert c["kind"] == "redundant" and c["sources"] == ["fs"]
+            assert sorted(w["rank"] for w in c["writers"]) == [0, 1]
+            agent.wait_judged()
+            assert not agent.metric("ckptwatch_collisions_total", kind="concurrent")
+            writes = [r for r in agent.journal_records()
+                      if r.get("type") == "write" and r["path"] == dest]
+            assert len(writes) == 2 and all(w["bytes"] == 4096 for w in writes)
+    finally:
+        remove_tree(workdir)

@@ -1,0 +1,270 @@
+"""End to end, job scope: two simulated nodes on one host, one agent per node.
+
+Each "node" is a `torchrun --nnodes 2 --node-rank N --nproc-per-node 2` (loopback master, one
+rendezvous) under `ckptwatch run --socket <its agent>` with its own CKPTWATCH_NODE; all four
+ranks save into one directory marked shared through CKPTWATCH_SHARED_PATHS. Neither agent
+hears the other node's hooks: whatever it says about the other node came through the job's
+store (ckptwatch/jobscope.py). Last, the store itself under 10,000 saves of JobScopes in this
+process.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import uuid
+
+import pytest
+
+from agentproc import start_agent
+from helpers import REPO_ROOT, free_port, remove_tree, short_tmpdir, wait_for
+from jobstore import Rank
+
+torch = pytest.importorskip("torch")
+
+pytestmark = pytest.mark.torch
+
+NODES = ("node-a", "node-b")
+AGENT_ARGS = ("--collision.settle", "0.5", "--collision.job-settle", "3",
+              "--collision.window", "5", "--verify.enabled", "false")
+
+
+@pytest.fixture(scope="module")
+def agents():
+    workdirs = [short_tmpdir("cwj") for _ in NODES]
+    started = []
+    try:
+        for workdir, node in zip(workdirs, NODES):
+            # One agent per simulated node, named as that node's hooks name it.
+            started.append(start_agent(workdir, *AGENT_ARGS, "--node.name", node).__enter__())
+        yield dict(zip(NODES, started))
+    finally:
+        for agent in started:
+            agent.__exit__(None, None, None)
+        for workdir in workdirs:
+            remove_tree(workdir)
+
+
+def run_two_nodes(agents, mode: str, *, extra_env=None, extra_args=(), nproc: int = 2,
+                  program=None, set_job: bool = True) -> tuple[str, str]:
+    """Both nodes' torchruns at once; (job id, checkpoint directory) once both exit 0.
+    program: the training program's arguments (default monitor.cli.demo_job --save mode)."""
+    job = f"js-{mode}-{uuid.uuid4().hex[:8]}"
+    root = short_tmpdir("cwjs")
+    out = os.path.join(root, "ckpt")
+    port = free_port()
+    procs = []
+    for node_rank, node in enumerate(NODES):
+        env = {k: v for k, v in os.environ.items() if not k.startswith("CKPTWATCH_")}
+        env.update({"CKPTWATCH_NODE": node, "OMP_NUM_THREADS": "1",
+                    "CKPTWATCH_SHARED_PATHS": root}, **(extra_env or {}))
+        if set_job:
+            env["CKPTWATCH_JOB"] = job
+        cmd = [sys.executable, "-m", "monitor.cli", "run", "--socket", agents[node].socket,
+               "--", sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
+               "--node-rank", str(node_rank), "--nproc-per-node", str(nproc),
+               "--master-addr", "127.0.0.1", "--master-port", str(port),
+               *(program or ["-m", "monitor.cli.demo_job", "--save", mode]), "--out", out,
+               *extra_args]
+        procs.append(subprocess.Popen(cmd, env=env, cwd=REPO_ROOT, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True))
+    for p in procs:
+        output, _ = p.communicate(timeout=300)
+        assert p.returncode == 0, output[-3000:]
+    return job, out
+
+
+def records(agent, job: str, kind: str) -> list[dict]:
+    return [r for r in agent.journal_records() if r.get("type") == kind and r.get("job") == job]
+
+
+def job_collisions(agent, job: str) -> list[dict]:
+    return [c for c in records(agent, job, "collision") if c["scope"] == "job"]
+
+
+def ranks_of(collision: dict) -> list:
+    return sorted(w["rank"] for w in collision["writers"])
+
+
+def test_local_rank0_guard_is_a_job_collision_on_both_agents_and_a_hazard(agents):
+    job, out = run_two_nodes(agents, "local-rank0", extra_args=("--width", "2048"))
+    path = os.path.join(out, "last.pt")
+    found = {}
+    for node, agent in agents.items():
+        found[node] = wait_for(lambda: job_collisions(agent, job), timeout=60,
+                               message=f"a job-scope collision on {node}'s agent\n{agent.log}")
+        c = found[node][0]
+        assert c["path"] == path
+        assert ranks_of(c) == [0, 2]
+        assert {(w["node"], w["rank"], w["local_rank"]) for w in c["writers"]} == {
+            ("node-a", 0, 0), ("node-b", 2, 0)}
+        assert all(w["site"] and "demo_job.py:" in w["site"] for w in c["writers"])
+        # The other node's write is labelled as learnt through the store, and by whom.
+        remote = [w for w in c["writers"] if w["node"] != node]
+        assert [w["source"] for w in remote] == ["job"] and remote[0]["reported_by"] > 0
+        assert agent.metric("ckptwatch_collisions_total", training_job=job,
+                            scope="job") == 1
+        assert agent.metric("ckptwatch_job_scope_reports_total", training_job=job,
+                            state="active") == 2
+    # The same collision, the same id on both agents (so a merged report counts it once).
+    assert found["node-a"][0]["id"] == found["node-b"][0]["id"]
+    assert found["node-a"][0]["kind"] == found["node-b"][0]["kind"]
+    # The local_rank == 0 bug is named from the first (and only) save, by node-b's rank 2.
+    guard = wait_for(lambda: [h for h in records(agents["node-b"], job, "hazard")
+                              if h["hazard"] == "local_rank_guard"], timeout=30,
+                     message="local_rank_guard hazard")
+    assert guard[0]["path"] == path and guard[0]["writers"][0]["rank"] == 2
+    assert agents["node-b"].metric("ckptwatch_hazards_total", training_job=job,
+                                   kind="local_rank_guard") == 1
+    assert not agents["node-a"].metric("ckptwatch_hazards_total", training_job=job,
+                                       kind="local_rank_guard")
+    for agent in agents.values():
+        multi = wait_for(lambda: [h for h in records(agent, job, "hazard")
+                                  if h["hazard"] == "shared_storage_multi_writer"],
+                         timeout=30, message="shared_storage_multi_writer hazard")
+        assert multi[0]["ranks"] == [0, 2]
+
+    # One picture of the job: both journals merged, the collision counted once.
+    report = subprocess.run([sys.executable, "-m", "monitor.cli", "report", "--format", "json",
+                             "--journal", agents["node-a"].journal,
+                             "--journal", agents["node-b"].journal],
+                            capture_output=True, text=True, cwd=REPO_ROOT)
+    assert report.returncode == 0, report.stderr
+    import json
+    merged = json.loads(report.stdout)
+    mine = [c for c in merged["collisions"] if c["job"] == job]
+    assert len(mine) == 1 and ranks_of(mine[0]) == [0, 2]
+    assert {h["hazard"] for h in merged["hazards"] if h["job"] == job} == {
+        "local_rank_guard", "shared_storage_multi_writer"}
+
+
+def test_every_rank_saving_is_a_job_collision_naming_all_four_ranks_on_both_agents(agents):
+    job, out = run_two_nodes(agents, "every-rank", extra_args=("--width", "2048"))
+    ids = set()
+    for node, agent in agents.items():
+        found = wait_for(lambda: job_collisions(agent, job), timeout=60,
+                         message=f"a job-scope collision on {node}'s agent\n{agent.log}")
+        agent.wait_judged()
+        everything = records(agent, job, "collision")
+        # Seen on the node and in the job: reported once, as the job-scope collision.
+        assert len(everything) == 1, everything
+        assert ranks_of(found[0]) == [0, 1, 2, 3]
+        assert len({(w["node"], w["pid"]) for w in found[0]["writers"]}) == 4
+        ids.add(found[0]["id"])
+    assert len(ids) == 1
+
+
+def test_global_rank0_guard_is_nothing_with_job_scope_active(agents):
+    job, _ = run_two_nodes(agents, "rank0")
+    for agent in agents.values():
+        wait_for(lambda: agent.metric("ckptwatch_job_scope_reports_total", training_job=job,
+                                      state="active") == 2, timeout=30,
+                 message="job scope active in both ranks")
+    wait_for(lambda: records(agents["node-a"], job, "write"), timeout=30, message="the write")
+    for agent in agents.values():
+        agent.wait_judged()
+        assert records(agent, job, "collision") == []
+        assert records(agent, job, "hazard") == []
+
+
+def test_per_rank_file_names_are_nothing(agents):
+    job, _ = run_two_nodes(agents, "per-rank")
+    for agent in agents.values():
+        wait_for(lambda: len(records(agent, job, "write")) == 2, timeout=30,
+                 message="two writes per node")
+        agent.wait_judged()
+        assert records(agent, job, "collision") == []
+        assert records(agent, job, "hazard") == []
+        assert agent.metric("ckptwatch_job_scope_reports_total", training_job=job,
+                            state="active") == 2
+
+
+def test_store_unreachable_training_runs_node_scope_works_job_scope_disabled(agents):
+    """Our client's port points nowhere: the job trains and exits 0, each node still sees its
+    own two ranks collide, and each agent shows job scope disabled for both ranks."""
+    nowhere = free_port()
+    job, out = run_two_nodes(agents, "every-rank", extra_args=("--width", "2048"),
+                             extra_env={"CKPTWATCH_STORE_PORT": str(nowhere),
+                                        "CKPTWATCH_JOBSCOPE_CONNECT_TIMEOUT": "1"})
+    for node, agent in agents.items():
+        found = wait_for(lambda: records(agent, job, "collision"), timeout=30,
+                         message=f"node-scope collision on {node}")
+        assert [c["scope"] for c in found] == ["node"]
+        assert {w["node"] for w in found[0]["writers"]} == {node}
+        wait_for(lambda: agent.metric("ckptwatch_job_scope_reports_total", training_job=job,
+                                      state="disabled") == 2, timeout=30,
+                 message=f"job scope disabled on {node}")
+        assert not agent.metric("ckptwatch_job_scope_reports_total", training_job=job,
+                                state="active")
+    # local_rank_guard needs no store: node-b's local rank 0 (global rank 2) writes a shared
+    # path that names neither its rank nor its node.
+    assert agents["node-b"].metric("ckptwatch_hazards_total", training_job=job,
+                                   kind="local_rank_guard") == 1
+
+
+def test_transformers_save_on_each_node_on_shared_storage_is_caught(agents):
+    """transformers' TrainingArguments(save_on_each_node=True) on two nodes (one rank each)
+    whose output directory is shared: each node's local rank 0 writes the same checkpoint
+    files (optimizer.pt, scheduler.pt, training_args.bin)."""
+    pytest.importorskip("transformers")
+    script = os.path.join(REPO_ROOT, "tests", "frameworks", "hf_trainer.py")
+    job, out = run_two_nodes(agents, "hf", nproc=1, program=[script],
+                             extra_args=("--save-on-each-node",))
+    optimizer = os.path.join(out, "checkpoint-2", "optimizer.pt")
+    for node, agent in agents.items():
+        found = wait_for(lambda: [c for c in job_collisions(agent, job)
+                                  if c["path"] == optimizer], timeout=60,
+                         message=f"a job-scope collision on optimizer.pt on {node}\n{agent.log}")
+        assert ranks_of(found[0]) == [0, 1]
+        assert all("transformers" in w["site"] for w in found[0]["writers"])
+    guards = wait_for(lambda: {h["path"] for h in records(agents["node-b"], job, "hazard")
+                               if h["hazard"] == "local_rank_guard"}, timeout=30,
+                      message="local_rank_guard hazards on node-b")
+    assert optimizer in guards
+    # rng_state_1.pth names its rank: not a hazard, and each rank writes its own.
+    assert not [p for p in guards if os.path.basename(p).startswith("rng_state")]
+
+
+def test_static_rendezvous_run_id_none_is_told_apart_by_the_master_address(agents):
+    """Without CKPTWATCH_JOB, torchrun's static rendezvous gives every job
+    TORCHELASTIC_RUN_ID=none: job scope keys the run by MASTER_ADDR:MASTER_PORT too."""
+    _, out = run_two_nodes(agents, "local-rank0", set_job=False,
+                           extra_args=("--width", "2048"))
+    path = os.path.join(out, "last.pt")
+    for node, agent in agents.items():
+        found = wait_for(lambda: [c for c in agent.journal_records()
+                                  if c.get("type") == "collision" and c["path"] == path],
+                         timeout=60, message=f"the collision on {node}\n{agent.log}")
+        assert found[0]["scope"] == "job" and ranks_of(found[0]) == [0, 2]
+        assert {w["job"] for w in found[0]["writers"]} == {"none"}
+        assert len({w["master"] for w in found[0]["writers"]}) == 1
+
+
+# ---- the store itself, under many saves (JobScopes in this process, no agent) ----------
+
+def test_store_keys_do_not_grow_with_the_number_of_saves(job_store):
+    """10,000 saves by two ranks of two nodes (5,000 each, on 8 paths), a 0.25 s window (the
+    run lasts many windows): keys are deleted while it runs, and once the last windows have
+    passed the store holds what it held before plus the ticket counter."""
+    window = 0.25
+    a = Rank(job_store.port, "node-a", 0, 0, window=window)
+    b = Rank(job_store.port, "node-b", 2, 0, window=window)
+    wait_for(lambda: a.active() and b.active(), message="connected")
+    before = job_store.num_keys()
+    paths = [os.path.join("/tmp/private", f"p{i}.pt") for i in range(8)]
+    peak = 0
+    for i in range(5000):
+        for rank in (a, b):
+            rank.save(paths[i % len(paths)])
+        if i % 500 == 0:
+            wait_for(lambda: not a.scope._queue and not b.scope._queue, timeout=60)
+            peak = max(peak, job_store.num_keys())
+    wait_for(lambda: a.scope.counters["announced"] + a.scope.counters["dropped"] >= 5000
+             and b.scope.counters["announced"] + b.scope.counters["dropped"] >= 5000,
+             timeout=120, message="every save announced or dropped")
+    after = wait_for(lambda: job_store.num_keys() <= before + 1 and job_store.num_keys(),
+                     timeout=30,
+                     message=f"keys back to {before} + ticket counter (now {job_store.num_keys()})")
+    assert after == before + 1
+    assert peak < 5000, peak        # the saves of the last windows, not all 10,000
+    assert a.scope.state == "active" and a.scope.counters["errors"] == 0

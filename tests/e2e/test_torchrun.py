@@ -1,0 +1,190 @@
+"""End to end: a real agent process and real torchrun jobs (gloo, CPU) under `ckptwatch run`.
+
+One agent serves every job of this module; each job gets its own CKPTWATCH_JOB so the metric
+and journal assertions of one job are not disturbed by another.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import uuid
+
+import pytest
+
+from agentproc import start_agent
+from helpers import REPO_ROOT, remove_tree, short_tmpdir, wait_for
+
+torch = pytest.importorskip("torch")
+
+pytestmark = pytest.mark.torch
+
+NPROC = 4
+SETTLE = 0.5
+
+
+@pytest.fixture(scope="module")
+def agent():
+    workdir = short_tmpdir("cwe")
+    with start_agent(workdir, "--collision.settle", str(SETTLE), "--verify.quiet", "0.5") as proc:
+        yield proc
+    remove_tree(workdir)
+
+
+def run_job(agent, mode: str, *, nproc: int = NPROC, extra_env=None, extra_args=()) -> tuple[str, str]:
+    """Run monitor.cli.demo_job under `ckptwatch run` (the real CLI); return (job id, out dir)."""
+    job = f"e2e-{mode}-{uuid.uuid4().hex[:8]}"
+    out = os.path.join(short_tmpdir("cwo"), "ckpt")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CKPTWATCH_")}
+    env.update({"CKPTWATCH_JOB": job, "OMP_NUM_THREADS": "1"}, **(extra_env or {}))
+    cmd = [sys.executable, "-m", "monitor.cli", "run", "--socket", agent.socket, "--",
+           sys.executable, "-m", "torch.distributed.run", "--standalone",
+           "--nproc-per-node", str(nproc), "-m", "monitor.cli.demo_job", "--out", out,
+           "--save", mode, *extra_args]
+    result = subprocess.run(cmd, env=env, cwd=REPO_ROOT, capture_output=True, text=True,
+                            timeout=240)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    return job, out
+
+
+def writes_of(agent, job: str) -> list[dict]:
+    return [r for r in agent.journal_records() if r.get("type") == "write" and r.get("job") == job]
+
+
+def collisions_of(agent, job: str) -> list[dict]:
+    return [r for r in agent.journal_records()
+            if r.get("type") == "collision" and r.get("job") == job]
+
+
+def test_every_rank_saving_one_path_is_one_concurrent_collision_naming_all_ranks(agent):
+    # 32 MiB per save (width 2048): with 4 ranks on 2 CPUs, an 8 MiB save was once over
+    # before the last rank's began (CI), and that rank was rightly not part of the overlap.
+    job, out = run_job(agent, "every-rank", extra_args=("--width", "2048"))
+    path = os.path.join(out, "last.pt")
+    wait_for(lambda: len(writes_of(agent, job)) == NPROC, timeout=30, message="4 write records")
+    found = wait_for(lambda: collisions_of(agent, job), timeout=30, message="collision record")
+    assert len(found) == 1, found
+    c = found[0]
+    assert c["path"] == path and c["kind"] == "concurrent" and c["scope"] == "node"
+    assert sorted(w["rank"] for w in c["writers"]) == [0, 1, 2, 3]
+    assert len({w["pid"] for w in c["writers"]}) == NPROC
+    # The call site is the user's line in demo_job.py, not torch's or ours.
+    assert all(w["site"].startswith(os.path.join(REPO_ROOT, "monitor", "cli", "demo_job.py") + ":")
+               for w in c["writers"]), [w["site"] for w in c["writers"]]
+    assert all(w["func"] == "save_checkpoint" for w in c["writers"])
+    assert c["first"]["rank"] in (0, 1, 2, 3) and c["last"]["rank"] in (0, 1, 2, 3)
+
+    # The agent verifies the file once the writers are done, and links the verdict to the
+    # collision. Whether this particular race tore the file is up to the scheduler, so the
+    # test's own deep check decides which outcome to expect.
+    from monitor.verify.integrity import verify
+    truth = verify(path, deep=True)
+    if truth.status == "corrupt":
+        record = wait_for(lambda: [r for r in agent.journal_records()
+                                   if r.get("type") == "verification" and r["path"] == path],
+                          timeout=30, message="verification record")[0]
+        assert record["result"] == "corrupt" and record["collision_id"] == c["id"]
+    else:
+        agent.wait_judged()
+        assert not [r for r in agent.journal_records()
+                    if r.get("type") == "verification" and r["path"] == path]
+
+    # Prometheus: one concurrent collision for this job, four finished writes by four ranks.
+    assert agent.metric("ckptwatch_collisions_total", training_job=job, kind="concurrent",
+                        scope="node") == 1
+    for rank in range(NPROC):
+        assert agent.metric("ckptwatch_writes_total", training_job=job, rank=str(rank)) == 1
+    assert agent.metric("ckptwatch_last_collision_timestamp_seconds", training_job=job) > 0
+
+    # The human report names every rank, the call site and the fix.
+    report = subprocess.run([sys.executable, "-m", "monitor.cli", "report", "--journal",
+                             agent.journal], capture_output=True, text=True, cwd=REPO_ROOT)
+    assert report.returncode == 0, report.stderr
+    for rank in range(NPROC):
+        assert f"rank{rank}@" in report.stdout
+    assert "demo_job.py:" in report.stdout
+    assert "rank" in report.stdout.lower() and "0" in report.stdout
+    assert all(len(line) <= 80 for line in report.stdout.splitlines()), report.stdout
+    as_json = subprocess.run([sys.executable, "-m", "monitor.cli", "report", "--journal",
+                              agent.journal, "--format", "json"], capture_output=True,
+                             text=True, cwd=REPO_ROOT)
+    assert as_json.returncode == 0
+    assert path in as_json.stdout and json.loads(as_json.stdout)
+
+
+def test_global_rank0_guard_is_not_a_collision(agent):
+    job, out = run_job(agent, "rank0")
+    wait_for(lambda: len(writes_of(agent, job)) == 1, timeout=30, message="1 write record")
+    w = writes_of(agent, job)[0]
+    assert w["rank"] == 0 and w["path"] == os.path.join(out, "last.pt")
+    assert w["outcome"] == "ok" and w["bytes"] == os.path.getsize(w["path"])
+    # Wait until the agent has judged the job: it would have (wrongly) reported by now.
+    agent.wait_judged()
+    assert collisions_of(agent, job) == []
+    assert not agent.metric("ckptwatch_collisions_total", training_job=job, kind="concurrent",
+                            scope="node")
+    torch.load(w["path"], weights_only=False)  # and the file is sound
+
+
+def test_each_rank_its_own_path_is_not_a_collision(agent):
+    job, out = run_job(agent, "per-rank")
+    wait_for(lambda: len(writes_of(agent, job)) == NPROC, timeout=30, message="4 write records")
+    paths = {w["path"] for w in writes_of(agent, job)}
+    assert paths == {os.path.join(out, f"last-rank{r}.pt") for r in range(NPROC)}
+    agent.wait_judged()
+    assert collisions_of(agent, job) == []
+
+
+def test_two_nodes_with_local_rank0_guard_collide_on_shared_storage(agent):
+    """Variant 2 of design.md: `local_rank == 0` guards one writer per node; two simulated
+    nodes (two torchrun invocations, --nnodes 2, loopback master) share the directory."""
+    job = f"e2e-2node-{uuid.uuid4().hex[:8]}"
+    out = os.path.join(short_tmpdir("cwo"), "ckpt")
+    from helpers import free_port
+    port = free_port()
+    procs = []
+    for node_rank, node in enumerate(("node-a", "node-b")):
+        env = {k: v for k, v in os.environ.items() if not k.startswith("CKPTWATCH_")}
+        # Node scope only: one agent sees both "nodes"' processes on this host (job scope,
+        # which would add each node's view of the other, has tests/e2e/test_jobscope.py).
+        env.update({"CKPTWATCH_JOB": job, "CKPTWATCH_NODE": node, "OMP_NUM_THREADS": "1",
+                    "CKPTWATCH_JOBSCOPE": "0"})
+        cmd = [sys.executable, "-m", "monitor.cli", "run", "--socket", agent.socket, "--",
+               sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
+               "--node-rank", str(node_rank), "--nproc-per-node", "2",
+               "--master-addr", "127.0.0.1", "--master-port", str(port),
+               "-m", "monitor.cli.demo_job", "--out", out, "--save", "local-rank0"]
+        procs.append(subprocess.Popen(cmd, env=env, cwd=REPO_ROOT, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True))
+    for p in procs:
+        output, _ = p.communicate(timeout=240)
+        assert p.returncode == 0, output[-3000:]
+    wait_for(lambda: len(writes_of(agent, job)) == 2, timeout=30, message="2 write records")
+    found = wait_for(lambda: collisions_of(agent, job), timeout=30, message="collision")
+    c = found[0]
+    # One agent: both "nodes" are its node (it stamps its own --node.name on hook events;
+    # CKPTWATCH_NODE is only the hook's claim). Different processes still collide.
+    assert {(w["rank"], w["local_rank"]) for w in c["writers"]} == {(0, 0), (2, 0)}
+    assert len({w["node"] for w in c["writers"]}) == 1
+    assert c["kind"] == "concurrent"
+
+
+def test_real_prometheus_scrapes_the_agent_and_the_collision_alert_goes_pending(agent):
+    """The fleet path: a real Prometheus with the shipped scrape settings and alert rules,
+    scraping the real agent after a real 2-rank collision."""
+    from prom import start_prometheus, wait_for_query
+    job, out = run_job(agent, "every-rank", nproc=2)
+    wait_for(lambda: collisions_of(agent, job), timeout=30, message="collision record")
+    rules = os.path.join(REPO_ROOT, "deploy", "prometheus", "ckptwatch-rules.yml")
+    target = agent.url.split("//", 1)[1].rstrip("/")
+    with start_prometheus([target], rule_files=[rules]) as prom:
+        result = wait_for_query(
+            prom, f'ckptwatch_collisions_total{{training_job="{job}",kind="concurrent"}}')
+        assert [r["value"][1] for r in result] == ["1"]
+        assert result[0]["metric"]["scope"] == "node"
+        ranks = prom.query(f'ckptwatch_writes_total{{training_job="{job}"}}')
+        assert sorted(r["metric"]["rank"] for r in ranks) == ["0", "1"]
+        alerts = wait_for_query(
+            prom, f'ALERTS{{alertname="CkptwatchConcurrentWriteCollision",training_job="{job}"}}')
+        assert alerts[0]["metric"]["severity"] == "critical"
