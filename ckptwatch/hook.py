@@ -338,7 +338,7 @@ def _caller(frame):
 # fields and json-encoding it per save cost more than the rest of the hook (issue 8, item 10):
 # the identity's members are encoded once per identity, a call site's once per (code, line),
 # and only seq, path, times, size and outcome are formatted per event. The text is what
-# events.encode() makes of the same event (the members' order aside); tests/test_hook.py
+# events.encode() makes of the same event (the members' order aside); tests/unit/test_hook.py
 # decodes it against the dict.
 
 _emitter = None

@@ -10,7 +10,7 @@
   listen.py      parse_listen_address(), for the server and the agent's flag validation
 
 Metric names and labels are part of the stable contract (design.md, issue 2; deploy/ rules and
-dashboards use them, tests/test_metrics_exposition.py pins them). No label ever holds a file
+dashboards use them, tests/unit/test_metrics_exposition.py pins them). No label ever holds a file
 path: paths are unbounded and would explode the series count; they live in the journal and
 in `ckptwatch report` instead.
 

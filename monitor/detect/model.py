@@ -127,7 +127,7 @@ class Write:
         """Write(...) with every field given, in order: the same value, built ~3x faster.
         The detector builds one per finished save, and a frozen dataclass's __init__ stores
         each of its 13 fields through object.__setattr__; this stores the instance's
-        dictionary, as that __init__ leaves it, in one step (tests/test_detector.py holds the
+        dictionary, as that __init__ leaves it, in one step (tests/unit/test_detector.py holds the
         two to the same fields and values)."""
         write = object.__new__(cls)
         object.__setattr__(write, "__dict__", {

@@ -27,7 +27,7 @@ replace a dozen checks per event; a shape not seen yet goes to validate() itself
 are bounded in count and in key length (MAX_SHAPES, _MAX_SHAPE_KEYS): a sender can invent
 shapes without end, and past the bound validate() judges each new one.
 
-tests/test_codec.py holds the two to agreement on the golden fixtures and on generated
+tests/unit/test_codec.py holds the two to agreement on the golden fixtures and on generated
 events, valid and not.
 """
 from __future__ import annotations
