@@ -16,7 +16,7 @@ monitor.fs.tracker):
 Written against watchdog 7.1 (inotify reports FileOpenedEvent / FileClosedEvent /
 FileClosedNoWriteEvent; a kernel IN_Q_OVERFLOW reaches InotifyFD.handle_event and then every
 watch group's on_queue_overflow, which rebuilds recursive watches but tells no handler). Two
-small subclasses hook those points; see _InotifyFD and _WatchGroup.
+small subclasses hook those points; see _InotifyFD and _InotifyObserver.
 
 inotify sees only changes made through this node's kernel: on NFS / Lustre / GPFS other nodes'
 writes are invisible to it, so use mode="polling" there (see docs/fswatch.md).
@@ -47,10 +47,10 @@ from monitor.fs.options import WATCH_MODES as MODES
 # polling every root instead costs CPU and misses short saves.
 INOTIFY_IMPORT_ERROR: str | None = None
 try:
-    from watchdog.observers.inotify import InotifyEmitter, InotifyObserver, InotifyWatchGroup
+    from watchdog.observers.inotify import InotifyEmitter, InotifyObserver
     from watchdog.observers.inotify_c import InotifyFD
 except (ImportError, OSError) as _exc:
-    InotifyEmitter = InotifyObserver = InotifyWatchGroup = InotifyFD = None
+    InotifyEmitter = InotifyObserver = InotifyFD = None
     INOTIFY_IMPORT_ERROR = f"{type(_exc).__name__}: {_exc}"
 
 log = logging.getLogger("ckptwatch.fswatch")
@@ -175,61 +175,47 @@ class FsEventHandler(FileSystemEventHandler):
 if InotifyFD is not None:
 
     class _InotifyFD(InotifyFD):
-        """Reports each kernel queue overflow once (watchdog only tells the watch groups)."""
+        """Reports each kernel queue overflow once (watchdog only tells the watch groups), and
+        each watch refused for lack of room (ENOSPC: max_user_watches; EMFILE), which
+        watchdog skips below the root with a log line at most, leaving that subtree unwatched.
 
-        def __init__(self, on_overflow: Callable[[], None]):
+        Only InotifyFD's own add_callback/handle_event are overridden, not the watch group's
+        internals: watchdog 7.1.1 replaced the group's path tables (which 7.1.0's mirror wrote
+        to) with a tree behind read-only properties, and a copied method then lost every
+        watch below the root without an error (tests/unit/test_fswatch.py)."""
+
+        def __init__(self, on_overflow: Callable[[], None],
+                     on_limit: Callable[[bytes, OSError], None] | None = None):
             super().__init__()
             self._on_overflow = on_overflow
+            self._on_limit = on_limit
 
         def handle_event(self, event) -> None:
             if event.is_queue_overflow:
                 self._on_overflow()
             super().handle_event(event)
 
-    @dataclass(eq=False)
-    class _WatchGroup(InotifyWatchGroup):
-        """watchdog's watch group, but a watch that fails with ENOSPC below the root is
-        reported (watchdog skips it silently, leaving that subtree unwatched)."""
-
-        on_limit: Callable[[str, OSError], None] | None = None
-
-        def _add_callback(self, path: bytes) -> None:   # mirrors watchdog 7.1's version
+        def add_callback(self, path, mask, callback, id_):
             try:
-                wd = self._inotify_fd.add_callback(path, self.event_mask, self._callback,
-                                                   self._id)
+                return super().add_callback(path, mask, callback, id_)
             except OSError as exc:
-                if exc.errno in (errno.ENOSPC, errno.EMFILE) and self.on_limit is not None:
-                    self.on_limit(os.fsdecode(self.path), exc)
-                if path == self.path:
-                    raise
-                return
-            self._active_callbacks_by_path[path] = wd
-            self._active_callbacks_by_watch[wd] = path
-
-    class _InotifyEmitter(InotifyEmitter):
-        def __init__(self, event_queue, watch, *, timeout, event_filter=None, inotify_fd=None,
-                     on_limit=None):
-            super().__init__(event_queue, watch, timeout=timeout, event_filter=event_filter,
-                             inotify_fd=inotify_fd)
-            self._on_limit = on_limit
-
-        def on_thread_start(self) -> None:   # mirrors watchdog 7.1, with our watch group
-            self._inotify = _WatchGroup(
-                self._inotify_fd, os.fsencode(self.watch.path),
-                is_recursive=self.watch.is_recursive,
-                event_mask=self.get_event_mask_from_filter(),
-                follow_symlink=self.watch.follow_symlink, on_limit=self._on_limit)
+                if exc.errno in (errno.ENOSPC, errno.EMFILE) and self._on_limit is not None:
+                    self._on_limit(path, exc)
+                raise
 
     class _InotifyObserver(InotifyObserver):
-        """InotifyObserver with our FD and emitter (its own inotify instance, as upstream)."""
+        """InotifyObserver with our FD (its own inotify instance, as upstream). on_limit(path,
+        exc) gets the path whose watch was refused (the Watcher finds its root: the emitter is
+        not yet among the observer's emitters while schedule() sets up its watches)."""
 
         fd_class = _InotifyFD   # a seam for tests (a FD whose add_callback fails)
 
         def __init__(self, on_overflow, on_limit, timeout: float = 1.0):
-            self._inotify_fd = self.fd_class(on_overflow)
+            self._inotify_fd = self.fd_class(
+                on_overflow, lambda path, exc: on_limit(os.fsdecode(path), exc))
             self._inotify_fd.start()
-            BaseObserver.__init__(self, _InotifyEmitter, timeout=timeout,
-                                  inotify_fd=self._inotify_fd, on_limit=on_limit)
+            BaseObserver.__init__(self, InotifyEmitter, timeout=timeout,
+                                  inotify_fd=self._inotify_fd)
 
 
 def inotify_available() -> bool:
@@ -487,9 +473,14 @@ class Watcher:
             self._pending_overflows += 1
         self._wake.set()
 
-    def _note_limit(self, root: str, exc: OSError) -> None:
+    def _note_limit(self, path: str, exc: OSError) -> None:
+        """A watch on `path` was refused for lack of room: its root moves to polling."""
+        owners = [r for r in list(self._roots)
+                  if path == r or path.startswith(r.rstrip(os.sep) + os.sep)]
+        if not owners:
+            return
         with self._lock:
-            self._pending_fallbacks[root] = _fallback_reason(exc)
+            self._pending_fallbacks[max(owners, key=len)] = _fallback_reason(exc)
         self._wake.set()
 
     def _count(self, name: str, n: int = 1) -> None:
