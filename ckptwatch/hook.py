@@ -216,7 +216,20 @@ def _enable_warn() -> None:
     # here, not at the top: ckptwatch.policy imports logging and warnings.
     from ckptwatch import policy as _policy_mod
     want_notices()
+    _policy_mod.own_site = _own_site
     _emitter_mod.get_emitter().on_notice = _policy_mod.handle_notice
+
+
+def _own_site(site: str) -> str | None:
+    """Our own text of `site` if a save was reported from that call site (cached in
+    _prefixes), else None: the warn policy attributes a notice's warning to a file only then
+    (ckptwatch/policy.py). list() copies the keys in one step under the GIL."""
+    for _path, code, line in list(_prefixes):
+        if code is not None:
+            mine = f"{code.co_filename}:{line}"
+            if mine == site:
+                return mine
+    return None
 
 
 def uninstall() -> bool:

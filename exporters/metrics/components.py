@@ -108,7 +108,8 @@ class DetectorCollector(ComponentCollector):
                      ["reason"], refused)
         yield family(CounterMetricFamily, "ckptwatch_remote_writes_rejected",
                      "Remote write reports the detector did not take: unanchored (the "
-                     "reporter has no write of that path here), path_full, held_full.",
+                     "reporter has no write of that path here), path_full, held_full, "
+                     "local_writer (the report names a process of this node).",
                      ["reason"], remote_rejected)
 
 

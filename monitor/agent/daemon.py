@@ -258,8 +258,8 @@ class Agent:
         """Tell the local writers of a collision or hazard record, on their open connections
         that asked for it (the warn policy: monitor.ingest.notices, ingest.notify)."""
         try:
-            for pid, frame in notices_for(record, self.config.node):
-                self.ingest.notify(pid, frame)
+            for pid, writes, frame in notices_for(record, self.config.node):
+                self.ingest.notify(pid, frame, writes)
         except Exception:
             log.exception("building notices failed")
 

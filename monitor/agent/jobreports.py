@@ -41,7 +41,9 @@ class JobScopeEvents:
         self._seen[key] = None
         if len(self._seen) > self._max_keys:
             self._seen.popitem(last=False)
-        writer = {name: event.get(name) for name in WRITER_FIELDS + ("site", "func")}
+        # seq: the reporter's own write the hazard is about (its notice goes to the
+        # connection that made that write: monitor.ingest.notices).
+        writer = {name: event.get(name) for name in WRITER_FIELDS + ("seq", "site", "func")}
         return Finding(kind=FINDING_HAZARD, path=event["path"], job=event.get("job") or "",
                        wall=event["wall"], node=event["node"], source=SOURCE_HOOK,
                        writers=(writer,),

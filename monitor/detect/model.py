@@ -32,7 +32,7 @@ OUTCOME_LOST = "lost"       # a Write's outcome when its end never came
 # Why the detector refused a start (monitor.detect.pairing) or a remote write
 # (monitor.detect.remote): the values of the metrics' `reason` labels.
 REFUSE_REASONS = ("writer_open_limit", "path_open_limit", "open_limit")
-REMOTE_REJECT_REASONS = ("unanchored", "path_full", "held_full")
+REMOTE_REJECT_REASONS = ("unanchored", "path_full", "held_full", "local_writer")
 
 
 @dataclass(frozen=True)

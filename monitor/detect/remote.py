@@ -4,8 +4,9 @@ A "remote" event (ckptwatch/events.py) is another node's write of a path, report
 local process (event node, pid) whose own write `seq` of that path this agent tracks. Nothing
 in it can be checked, so what it can do is bounded: it is taken only while the reporter's own
 write of that path is held here (a sender can add writes only to paths it wrote itself, never
-create one), at most MAX_REMOTE_PER_PATH per path and MAX_REMOTE_HELD in all, each remote write
-once; it is never a Write of this node (no write metrics) and its collision says scope "job"
+create one), never about a writer on the reporter's own node (local_writer: a local
+process's writes are its own to report), at most MAX_REMOTE_PER_PATH per path and
+MAX_REMOTE_HELD in all, each remote write once; it is never a Write of this node (no write metrics) and its collision says scope "job"
 and who reported it (monitor.detect.grouping).
 """
 from __future__ import annotations
@@ -34,11 +35,20 @@ class RemoteWrites:
     def admit(self, event: dict, state: PathState | None, held: int) -> bool:
         """May this validated remote event add its write to its path's `state`? False when
         refused (counted) or already seen. `held`: remote writes the detector holds now."""
+        w = event["writer"]
+        if w["node"] == event["node"]:
+            # A process of this node: the agent hears of its writes from it, never from a
+            # report. The event's node is the agent's own by now (the agent stamps it on
+            # everything its socket receives) while the sender checked the writer's node
+            # against the node it claimed: a local process could otherwise name any local pid
+            # as a writer (and, under the warn policy, have the agent send that process a
+            # notice).
+            self.rejected["local_writer"] += 1
+            return False
         anchor = (event["node"], event["pid"], event["seq"])
         if state is None or not any(e.key == anchor for e in state.entries):
             self.rejected["unanchored"] += 1
             return False
-        w = event["writer"]
         key = (w["node"], w["pid"], event["wseq"])
         if key in self._seen or any(e.key == key for e in state.entries):
             return False

@@ -30,6 +30,11 @@ REFUSE_REASONS = ("pid_limit", "uid_limit")          # a new connection closed a
 # An open connection closed by the agent; foreign_writer: bytes from a process other than
 # the one that connected (a forked child on an inherited connection).
 EVICT_REASONS = ("make_room", "stalled_frame", "foreign_writer")
+# Writes each connection that reads notices remembers (Connection.made): a notice about an
+# older write of it is not sent. A notice comes `settle` (1-3 s) after the writes end, and a
+# process makes a handful of writes per save; 128 per connection bounds the memory of 1,024
+# connections to ~13 MB whatever they send.
+MAX_WRITES_REMEMBERED = 128
 
 
 class Connection:
@@ -38,7 +43,8 @@ class Connection:
 
     __slots__ = ("sock", "pid", "uid", "ns_pid", "rights", "reader", "last_active",
                  "partial_since", "tokens", "tokens_at", "wants_notices", "unsent",
-                 "wants_acks", "frames", "receipts", "ackable", "acked", "acked_at")
+                 "wants_acks", "frames", "receipts", "ackable", "acked", "acked_at",
+                 "writes")
 
     def __init__(self, sock: socket.socket, pid: int, uid: int, gid: int, now: float):
         self.sock = sock
@@ -66,6 +72,20 @@ class Connection:
         self.ackable = 0                     # frames taken in (the consumer finished them)
         self.acked = 0                       # the last count acknowledged
         self.acked_at = -1e9
+        # The writes this connection's own start/end/hazard frames named, as write_key()s,
+        # newest last (only once it asked for notices): a notice goes only to a connection
+        # that made one of the writes it is about (server.py's doc, "Notices").
+        self.writes: dict[int, None] = {}
+
+    def made(self, seq: int, path: str) -> None:
+        """This connection's own frame named its write (seq, path): remember it, bounded."""
+        writes = self.writes
+        key = write_key(seq, path)
+        if key in writes:
+            return
+        writes[key] = None
+        if len(writes) > MAX_WRITES_REMEMBERED:
+            del writes[next(iter(writes))]
 
     def take_token(self, now: float) -> bool:
         self.tokens = min(JOB_SCOPE_BURST, self.tokens + (now - self.tokens_at) * JOB_SCOPE_RATE)
@@ -74,6 +94,12 @@ class Connection:
             return False
         self.tokens -= 1.0
         return True
+
+
+def write_key(seq: int, path: str) -> int:
+    """One write of a connection's process: its seq and path, as one int (what a connection
+    keeps per write it made; a path can be 64 KiB, its hash is one word)."""
+    return hash((seq, path))
 
 
 def last_active(conn: Connection) -> float:

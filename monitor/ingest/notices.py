@@ -4,13 +4,18 @@ Pure: builds notice frames (wire contract: ckptwatch/events.py) from a collision
 from a hazard record with the same "writers" list; the agent hands them to ingest.notify(),
 which sends them to the writers' open connections that asked for notices.
 
-Each local writer of the record (its node is this agent's) gets one notice naming its own call
-site, and the other writers (at most MAX_NOTICE_OTHERS; strings cut to MAX_NOTICE_TEXT). A
-frame that would still exceed MAX_NOTICE_BYTES loses writers from its list until it fits.
+Who gets a notice: a writer of the record whose write this node's hook reported itself (node
+ours, source "hook", a seq: never a remote writer a job-scope report named, never a process the
+filesystem watcher attributed a write to), and only on the connection whose own frames named
+that write (notices_for gives the (seq, path) pairs; ingest.notify matches them against what
+each connection sent). It names the recipient's own call site, as its hook reported it, and
+the other writers (at most MAX_NOTICE_OTHERS; strings cut to MAX_NOTICE_TEXT). A frame that
+would still exceed MAX_NOTICE_BYTES loses writers from its list until it fits.
 """
 from __future__ import annotations
 
 from ckptwatch import events
+from monitor.detect.model import SOURCE_HOOK
 
 _TEXT = events.MAX_NOTICE_TEXT
 
@@ -23,16 +28,25 @@ def _int(value):
     return value if type(value) is int else None
 
 
-def notices_for(record: dict, node: str) -> list[tuple[int, bytes]]:
-    """(pid, frame) for every writer of `record` on `node` with a pid; [] if not applicable."""
+def notices_for(record: dict, node: str) -> list[tuple[int, tuple, bytes]]:
+    """(pid, writes, frame) for every process of `node` whose hook reported one of the
+    record's writes itself; writes: the (seq, path) pairs of its own writes in the record.
+    [] if not applicable."""
     writers = record.get("writers")
-    if not isinstance(writers, list) or not isinstance(record.get("path"), str):
+    path = record.get("path")
+    if not isinstance(writers, list) or not isinstance(path, str):
         return []
     kind = record.get("kind") if record.get("type") == "collision" else record.get("type")
+    own: dict[int, list] = {}
+    for w in writers:
+        pid, seq = _int(w.get("pid")), _int(w.get("seq"))
+        if (pid is not None and pid > 0 and seq is not None and w.get("node") == node
+                and w.get("source", record.get("source")) == SOURCE_HOOK):
+            own.setdefault(pid, []).append((seq, path))
     out, done = [], set()
     for me in writers:
         pid = _int(me.get("pid"))
-        if pid is None or pid <= 0 or me.get("node") != node or pid in done:
+        if pid not in own or pid in done:
             continue
         done.add(pid)
         others = [{"rank": _int(w.get("rank")), "pid": _int(w.get("pid")),
@@ -43,7 +57,7 @@ def notices_for(record: dict, node: str) -> list[tuple[int, bytes]]:
                   "id": _text(record.get("id")), "others": others[:events.MAX_NOTICE_OTHERS]}
         frame = _fit(notice)
         if frame is not None:
-            out.append((pid, frame))
+            out.append((pid, tuple(own[pid]), frame))
     return out
 
 

@@ -37,9 +37,14 @@ hook sends them again to the next agent. At most one ack per connection per ACK_
 (a burst of reads makes one ack); non-blocking, and a dropped ack is covered by the next one
 (cumulative).
 
-Notices (the other thing the agent sends back): notify(pid, frame) queues a notice frame for
-the open connections of `pid` that asked for notices (a hello or an event with "notices": true;
-ckptwatch/events.py). The server thread sends them — it owns the sockets, so a connection
+Notices (the other thing the agent sends back): notify(pid, frame, writes) queues a notice
+frame for the open connections of `pid` that asked for notices (a hello or an event with
+"notices": true; ckptwatch/events.py) AND whose own start, end or hazard frames named one of
+`writes`, the (seq, path) pairs the notice is about. A notice thus only ever reaches the
+connection that made the write: never a process that reused a dead writer's pid, never one a
+"remote" report named (those are not its frames), never another connection of the same
+process that did not make the write. Each connection remembers its last
+MAX_WRITES_REMEMBERED writes (monitor/ingest/connections.py). The server thread sends them — it owns the sockets, so a connection
 closed meanwhile is never written to under a recycled fd — with a non-blocking send: a notice
 that does not fit the peer's socket buffer is dropped and counted, and a partly sent one is
 finished before any other (at most one frame waits per connection), so the agent never waits
@@ -67,7 +72,7 @@ from typing import Callable
 
 from ckptwatch import events
 from monitor.ingest import codec
-from monitor.ingest.connections import Connection, Connections, last_active
+from monitor.ingest.connections import Connection, Connections, last_active, write_key
 from monitor.ingest.socketfile import AgentAlreadyRunning, IngestError, SocketFile
 
 # start() raises the errors (refused and evicted count by monitor.ingest.connections' reasons).
@@ -84,6 +89,8 @@ _BACKLOG = 4096                     # the kernel caps it at net.core.somaxconn
 MAX_NOTICES = 256                   # notice frames waiting for the server thread
 ACK_INTERVAL = 0.05                 # at most one ack per connection this often (seconds)
 _MAX_RECEIPTS = 256                 # unacknowledged reads remembered per connection
+# The frames that name a write of the sender's own: a notice may be about one of those.
+_OWN_WRITE_TYPES = frozenset({"start", "end", "hazard"})
 # Agent-side field set on every accepted event: the sender's credentials (monitor.verify.rights), from
 # the kernel, never from the wire (a client's own field of this name is overwritten).
 RIGHTS = "agent_rights"
@@ -199,12 +206,14 @@ class IngestServer:
         """True while the server thread runs; /healthz reports unhealthy otherwise."""
         return self._thread is not None and self._thread.is_alive()
 
-    def notify(self, pid: int, frame: bytes) -> None:
-        """Queue a notice frame for `pid`'s connections (any thread; see module doc)."""
+    def notify(self, pid: int, frame: bytes, writes) -> None:
+        """Queue a notice frame for the connections of `pid` that made one of `writes`
+        ((seq, path) pairs) and asked for notices (any thread; see module doc)."""
         if len(self._notices) >= MAX_NOTICES:
             self.notices["dropped"] += 1
             return
-        self._notices.append((pid, frame))
+        self._notices.append((pid, frame, frozenset(write_key(seq, path)
+                                                    for seq, path in writes)))
         try:
             self._wake_w.send(b"n")
         except (OSError, AttributeError):
@@ -309,9 +318,10 @@ class IngestServer:
 
     def _send_notices(self) -> None:
         while self._notices:
-            pid, frame = self._notices.popleft()
+            pid, frame, keys = self._notices.popleft()
             targets = [c for c in self._conns.by_fd.values()
-                       if c.pid == pid and c.wants_notices]
+                       if c.pid == pid and c.wants_notices
+                       and not keys.isdisjoint(c.writes)]
             if not targets:
                 self.notices["no_reader"] += 1
             for conn in targets:
@@ -475,6 +485,8 @@ class IngestServer:
                 if event["notices"] is True:
                     conn.wants_notices = True
                 del event["notices"]    # a connection property, not the write's
+            if conn.wants_notices and event["type"] in _OWN_WRITE_TYPES:
+                conn.made(event["seq"], event["path"])    # see module doc, "Notices"
             event[RIGHTS] = conn.rights
             good.append(event)
         if not good:

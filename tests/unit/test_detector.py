@@ -697,6 +697,24 @@ def test_remote_writes_need_the_reporters_own_write_of_the_path():
     assert det.remote_rejected["unanchored"] == 3
 
 
+def test_a_remote_report_can_never_name_a_writer_of_this_node():
+    # Issue 17 item 1: the sender claims node "elsewhere", names the agent's node "n1" as the
+    # writer's (validation compares the two), and the agent then stamps its own node "n1" on
+    # the event. Taken in, the victim (pid 66, a process of this node) became a writer of a
+    # file it never touched, in the journal and, under warn, in a notice to it.
+    clock = FakeClock(0.0)
+    det = make(clock, settle=0.5, job_settle=1.0)
+    out = feed(det, clock, [(0.0, dist_start(11, 1, 0.0)), (1.0, dist_end(11, 1, 1.0, 0.0))])
+    clock.now = 1.2
+    assert det.observe_remote(remote(11, 1, 66, 7, 0.5, 1.5, node="n1", wnode="n1")) == []
+    for t in (2.0, 3.0, 4.0):
+        clock.now = t
+        out += det.tick()
+    assert collisions(out) == []
+    assert {w.writer.pid for w in out if isinstance(w, Write)} == {11}
+    assert det.remote_rejected["local_writer"] == 1
+
+
 def test_a_remote_write_reported_many_times_counts_once_and_a_path_holds_few():
     from monitor.detect.remote import MAX_REMOTE_PER_PATH
     clock = FakeClock(0.0)

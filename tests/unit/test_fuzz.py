@@ -100,6 +100,38 @@ def test_frame_reader_bounds_its_buffer(chunks, max_frame):
         assert len(reader._buf) < events.HEADER.size + max_frame
 
 
+# ---------------------------------------------------------------------------- notices (hook)
+
+hostile_text = st.text(alphabet=st.characters(codec=None, exclude_categories=["Cs"]),
+                       max_size=40) | st.sampled_from(["/dev/zero:1", "\x1b[2J", "a\nb",
+                                                      "/etc/shadow:7", "\u202e", ""])
+notice_fields = st.fixed_dictionaries(
+    {"v": st.sampled_from([1, 1, 2]), "type": st.sampled_from(["notice", "notice", "ack"])},
+    optional={"kind": hostile_text | json_values, "path": hostile_text | json_values,
+              "site": hostile_text | json_values, "id": hostile_text | json_values,
+              "others": st.lists(st.fixed_dictionaries(
+                  {}, optional={"rank": st.none() | st.integers() | st.booleans(),
+                                "pid": st.none() | st.integers(), "node": hostile_text,
+                                "site": hostile_text}), max_size=20) | json_values})
+
+
+@FUZZ
+@given(notice_fields)
+def test_any_notice_gives_one_bounded_printable_line_and_opens_nothing(notice):
+    """What the agent (or whatever CKPTWATCH_SOCKET names) sends the hook: decoded or
+    refused, and a decoded one becomes one line of printable text of bounded length that
+    names no file (no site is this process's own here)."""
+    from ckptwatch import policy
+    kind, value = events.decode_agent_frame(json.dumps(notice).encode())
+    assert kind in ("notice", "ack", None)
+    if kind != "notice":
+        return
+    text = policy.describe(value.get("site"), value)
+    assert text.isprintable()
+    assert len(text) < 32 * policy.MAX_SHOWN
+    assert policy._where(value.get("site")) == (policy.NOWHERE, 0)
+
+
 def test_deeply_nested_frame_is_malformed_not_a_crash():
     """Found by fuzzing: a 64 KiB frame of '[' made json raise RecursionError, which escaped
     decode() and decode_many() (neither a ValueError nor an EventError) into the agent's

@@ -163,10 +163,10 @@ def test_a_hook_that_never_reads_its_acks_cannot_block_the_agent(server, consume
                          "path": "/ckpt/" + "x" * 1000, "site": "t.py:1", "others": []})
     consumer.finished = 10 ** 9
     with connect(server.path) as sock:
-        sock.sendall(hello(notices=True))
+        sock.sendall(hello(notices=True) + events.encode(start_event(seq=1000)))
         wait_for(lambda: server.acks["sent"] == 1, message="the hello acknowledged")
         for _ in range(ingest.MAX_NOTICES):
-            server.notify(os.getpid(), big)
+            server.notify(os.getpid(), big, [(1000, "/ckpt/last.pt")])
         wait_for(lambda: server.notices["dropped"] > 0, message="a full socket")
         for seq in range(1, 301):
             sock.sendall(events.encode(start_event(seq=seq)))
@@ -174,5 +174,5 @@ def test_a_hook_that_never_reads_its_acks_cannot_block_the_agent(server, consume
                 deferred = server.acks["deferred"]
                 wait_for(lambda: server.acks["deferred"] > deferred,
                          message=f"an ack deferred after {seq} events")
-        wait_for(lambda: len(consumer.events) == 300, message="every event handed on")
+        wait_for(lambda: len(consumer.events) == 301, message="every event handed on")
         wait_for(lambda: server.acks["deferred"] > 0, message="an ack that did not fit")
