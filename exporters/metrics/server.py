@@ -13,6 +13,7 @@ import socket
 import ssl
 import sys
 import threading
+import time
 from types import MappingProxyType
 from typing import Callable, Mapping
 from urllib.parse import urlsplit
@@ -34,17 +35,25 @@ HTTP_DROP_REASONS = ("timeout", "client_gone", "evicted", "refused", "tls_handsh
 class _Server(http.server.ThreadingHTTPServer):
     """One thread per connection, at most max_handlers of them (set by MetricsServer).
 
-    A thread costs ~8 MB of address space and a connection costs a client nothing, so idle
-    connections must not be able to take every thread: when all are busy, the oldest
-    connection that has not yet sent its request line is shut down to make room (its thread
-    then ends at once); only if every thread is answering a request is the newcomer closed.
-    The handler's socket timeout bounds how long any connection can hold a thread.
+    A thread costs ~8 MB of address space and a connection costs a client nothing, so
+    connections that have not sent a whole request must not be able to take every thread. A
+    connection is *waiting* from its accept (and again between two requests of a kept-alive
+    connection) until its request head -- request line and every header -- is complete; a
+    waiting connection does not hold its place: when all threads are taken, the oldest waiting
+    one is shut down to make room (its thread then ends at once), and only if every thread is
+    answering a request is the newcomer closed. A head must also be complete within
+    head_timeout of the accept (or of the previous answer): the accept loop shuts down a
+    waiting connection past its deadline, so a client sending its headers a byte at a time
+    (slowloris: each byte arrives within the socket timeout) holds a thread for head_timeout
+    at most, and never keeps a scrape out. The handler's socket timeout bounds every read and
+    write after that.
     """
 
     daemon_threads = True
     allow_reuse_address = True
     dual_stack = False
     max_handlers = 16
+    head_timeout = 10.0
     on_dropped: Callable[[str], None] = staticmethod(lambda reason: None)
     ssl_context: ssl.SSLContext | None = None
 
@@ -60,7 +69,8 @@ class _Server(http.server.ThreadingHTTPServer):
     def __init__(self, *args, **kwargs):
         self._slots_lock = threading.Lock()
         self._handlers = 0
-        self._waiting: dict = {}      # sockets without a request line yet, oldest first
+        # Waiting sockets (no whole request head yet), oldest first, with their deadline.
+        self._waiting: dict = {}
         super().__init__(*args, **kwargs)
 
     def process_request(self, request, client_address):
@@ -74,7 +84,7 @@ class _Server(http.server.ThreadingHTTPServer):
                     del self._waiting[evicted]
             if not refused:
                 self._handlers += 1
-                self._waiting[request] = None
+                self._waiting[request] = time.monotonic() + self.head_timeout
         if evicted is not None:
             self.dropped("evicted")
             try:
@@ -102,10 +112,34 @@ class _Server(http.server.ThreadingHTTPServer):
             self._handlers -= 1
             self._waiting.pop(request, None)
 
-    def request_started(self, request) -> None:
-        """The handler read a request line: this connection is no longer an idle one."""
+    def request_started(self, request) -> bool:
+        """The handler read a whole request head: this connection holds its place now.
+        False if it was shut down meanwhile (evicted, or past its deadline): not answered."""
         with self._slots_lock:
-            self._waiting.pop(request, None)
+            return self._waiting.pop(request, False) is not False
+
+    def request_awaited(self, request) -> None:
+        """The handler waits for a request head on this connection (the first since the
+        accept, which is waiting already, or the next on a kept-alive connection): it is
+        waiting until the head is complete, within head_timeout from now."""
+        with self._slots_lock:
+            if request not in self._waiting:
+                self._waiting[request] = time.monotonic() + self.head_timeout
+
+    def service_actions(self):
+        """The accept loop's turn (every poll interval): shut down the waiting connections
+        whose head did not come within head_timeout."""
+        now = time.monotonic()
+        with self._slots_lock:
+            late = [r for r, deadline in self._waiting.items() if deadline <= now]
+            for request in late:
+                del self._waiting[request]
+        for request in late:
+            self.dropped("timeout")
+            try:
+                request.shutdown(socket.SHUT_RDWR)     # its blocked read returns, its thread ends
+            except OSError:
+                pass
 
     def dropped(self, reason: str) -> None:
         try:
@@ -194,9 +228,20 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self.server.dropped("client_gone")
             log.debug("metrics client %s went away: %s", self.client_address[0], exc)
 
+    def handle_one_request(self):
+        self.server.request_awaited(self.request)
+        super().handle_one_request()
+
     def parse_request(self):
-        self.server.request_started(self.request)
-        return super().parse_request()
+        # Reads the headers: the head is complete (or refused) once it returns.
+        try:
+            parsed = super().parse_request()
+        finally:
+            ours = self.server.request_started(self.request)
+        if not ours:            # shut down while its head came in: nobody to answer
+            self.close_connection = True
+            return False
+        return parsed
 
     def log_error(self, format, *args):  # noqa: A002 (signature from http.server)
         # http.server reports a read or write that hit the socket timeout only through here.
@@ -291,18 +336,19 @@ class MetricsServer:
 
     def __init__(self, address: str, registry: CollectorRegistry,
                  health: Callable[[], tuple[bool, str]] = lambda: (True, ""),
-                 timeout: float = 10.0, max_handlers: int = 16,
+                 timeout: float = 10.0, max_handlers: int = 16, head_timeout: float = 10.0,
                  on_dropped: Callable[[str], None] | None = None,
                  web_config: WebConfig | None = None, telemetry_path: str = "/metrics"):
-        if timeout <= 0 or max_handlers < 1:
-            raise ValueError(f"need timeout > 0 and max_handlers >= 1, got {timeout}, "
-                             f"{max_handlers}")
+        if timeout <= 0 or max_handlers < 1 or head_timeout <= 0:
+            raise ValueError(f"need timeout > 0, head_timeout > 0 and max_handlers >= 1, got "
+                             f"{timeout}, {head_timeout}, {max_handlers}")
         if not telemetry_path.startswith("/") or telemetry_path in ("/", "/healthz"):
             raise ValueError(f"telemetry path {telemetry_path!r}: must start with / and be "
                              "neither / nor /healthz")
         self.web_config = web_config or WebConfig()
         self.telemetry_path = telemetry_path
         self.timeout, self.max_handlers, self._on_dropped = timeout, max_handlers, on_dropped
+        self.head_timeout = head_timeout
         self.host, self._requested_port = parse_listen_address(address)
         self.address = address
         self._registry = registry
@@ -351,6 +397,7 @@ class MetricsServer:
             if server is None:
                 raise error or OSError(f"cannot listen on {self.address!r}")
             server.max_handlers = self.max_handlers
+            server.head_timeout = self.head_timeout
             server.ssl_context = tls
             server.on_dropped = self._dropped
             self.port = server.server_address[1]

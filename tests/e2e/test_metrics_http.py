@@ -8,7 +8,7 @@ import urllib.request
 
 from agentproc import start_agent
 from helpers import wait_for
-from metricsserve import idle_connection
+from metricsserve import Slowloris, idle_connection
 
 
 def scrape(port, timeout=5):
@@ -52,3 +52,16 @@ def test_client_hanging_up_mid_response_leaves_no_traceback(tmp_path):
     assert "Traceback" not in log, log[-3000:]
     for line in log.splitlines():
         assert line.startswith("ts="), f"not a logfmt line: {line!r}"
+
+
+def test_slow_request_heads_never_keep_a_scrape_out_of_the_real_agent(tmp_path):
+    """Issue 17 item 4: 16 connections sending their headers a byte at a time (the agent's
+    16 handler threads) refused every scrape for 40 s on the old code, without credentials."""
+    with start_agent(str(tmp_path)) as agent, \
+            Slowloris(agent.port, 16, interval=0.5) as loris:
+        # Header bytes have followed every request line: each handler is reading headers.
+        wait_for(lambda: loris.rounds >= 2, message="two header bytes on every connection")
+        for _ in range(3):
+            status, body = scrape(agent.port)
+            assert status == 200 and b"ckptwatch_build_info" in body
+        assert not agent.metric("ckptwatch_http_connections_dropped_total", reason="refused")

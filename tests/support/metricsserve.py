@@ -77,3 +77,45 @@ def get(port, route, pki=None, auth=None, cert=None, timeout=5.0):
 def idle_connection(port):
     """A TCP connection to the server that never sends a request."""
     return socket.create_connection(("127.0.0.1", port), timeout=10)
+
+
+class Slowloris:
+    """Connections that send a request line, then one header byte every `interval` seconds,
+    from a thread of their own, until close(): each byte comes well within any socket
+    timeout, the head never ends."""
+
+    def __init__(self, port: int, count: int, interval: float = 0.5):
+        import threading
+        self.socks = [socket.create_connection(("127.0.0.1", port), timeout=10)
+                      for _ in range(count)]
+        for sock in self.socks:
+            sock.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")
+        self.closed_by_server = set()
+        self.rounds = 0              # header bytes sent on each connection so far
+        self._stop = threading.Event()
+        self._interval = interval
+        self._thread = threading.Thread(target=self._trickle, daemon=True)
+        self._thread.start()
+
+    def _trickle(self) -> None:
+        while not self._stop.wait(self._interval):
+            for i, sock in enumerate(self.socks):
+                if i in self.closed_by_server:
+                    continue
+                try:
+                    sock.sendall(b"a")
+                except OSError:
+                    self.closed_by_server.add(i)
+            self.rounds += 1
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        for sock in self.socks:
+            sock.close()
+
+    def __enter__(self) -> "Slowloris":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
