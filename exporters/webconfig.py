@@ -47,8 +47,18 @@ TLS_KEYS_UNSUPPORTED = {"cipher_suites", "curve_preferences", "prefer_server_cip
                         "client_allowed_sans"}
 TOP_KEYS = {"tls_server_config", "basic_auth_users"}
 TOP_KEYS_UNSUPPORTED = {"http_server_config", "rate_limit"}
-# A bcrypt hash: $2a$, $2b$ or $2y$, a two-digit cost, 53 characters of salt and digest.
-_BCRYPT = re.compile(r"\$2[aby]\$(0[4-9]|[12]\d|3[01])\$[./A-Za-z0-9]{53}")
+# A bcrypt hash: $2a$, $2b$ or $2y$, a two-digit cost, 22 characters of salt, 31 of digest.
+_BCRYPT = re.compile(r"\$2[aby]\$(\d\d)\$([./A-Za-z0-9]{22})([./A-Za-z0-9]{31})")
+# bcrypt's own base64 alphabet. The salt's 22 characters carry 132 bits for 128 and the
+# digest's 31 carry 186 for 184: the unused low bits of the last character are zero in any
+# hash bcrypt made. A salt that breaks this is refused by bcrypt ("Invalid salt") at every
+# login; a digest that does can never match.
+_B64 = "./ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789"
+MIN_BCRYPT_COST = 4               # bcrypt's own minimum
+# Each check of a wrong password (and of an unknown user) costs 2**cost rounds, on a handler
+# thread, for whoever can reach the port: cost 12 takes ~0.3 s on one core, 14 ~1.2 s, and
+# 31 (which bcrypt accepts) days. htpasswd's -B default is 5, exporter-toolkit's docs use 10.
+MAX_BCRYPT_COST = 14
 MAX_FILE_BYTES = 1 << 20          # a web config is a few lines; refuse to parse a huge file
 MAX_USERS = 1000
 # Successful (user, password) checks remembered so a scrape every 15 s does not pay bcrypt's
@@ -176,12 +186,38 @@ def _users(data: Any, path: str, errors: list[str]) -> dict[str, bytes]:
         if not isinstance(name, str) or not name or ":" in name:
             errors.append(f"{where}: invalid user name {name!r} (non-empty, no ':')")
         elif not isinstance(hashed, str) or not _BCRYPT.fullmatch(hashed):
-            errors.append(f"{where}.{name}: not a bcrypt hash ($2b$<cost>$...); create one "
-                          "with `htpasswd -nBC 12 USER` or python -c 'import bcrypt; "
-                          "print(bcrypt.hashpw(b\"PASSWORD\", bcrypt.gensalt()).decode())'")
+            errors.append(f"{where}.{name}: not a bcrypt hash ($2b$<cost>$...); {_MAKE_ONE}")
+        elif (problem := _bcrypt_problem(hashed)) is not None:
+            errors.append(f"{where}.{name}: {problem}")
         else:
             users[name] = hashed.encode("ascii")
     return users
+
+
+_MAKE_ONE = ("create one with `htpasswd -nBC 12 USER` or python -c 'import bcrypt; "
+             "print(bcrypt.hashpw(b\"PASSWORD\", bcrypt.gensalt(12)).decode())'")
+
+
+def _bcrypt_problem(hashed: str) -> str | None:
+    """Why a well-formed bcrypt hash cannot be used (None if it can): its cost outside
+    MIN_BCRYPT_COST..MAX_BCRYPT_COST, or a salt or digest bcrypt never makes."""
+    cost, salt, digest = _BCRYPT.fullmatch(hashed).groups()
+    if not MIN_BCRYPT_COST <= int(cost) <= MAX_BCRYPT_COST:
+        return (f"bcrypt cost {int(cost)} is outside {MIN_BCRYPT_COST}..{MAX_BCRYPT_COST} (every "
+                f"check of a password costs 2^cost rounds, for anyone who can reach the port); "
+                f"{_MAKE_ONE}")
+    if _B64.index(salt[-1]) % 16:
+        return (f"invalid bcrypt salt (its last character {salt[-1]!r} must be one of "
+                f"'.', 'O', 'e', 'u'): every login would be refused; {_MAKE_ONE}")
+    if _B64.index(digest[-1]) % 4:
+        return (f"invalid bcrypt digest (its last character {digest[-1]!r} is not one bcrypt "
+                f"writes): no password can match it; {_MAKE_ONE}")
+    return None
+
+
+def cost_of(hashed: bytes) -> int:
+    """The cost of a bcrypt hash that load() accepted."""
+    return int(hashed[4:6])
 
 
 def load(path: str) -> WebConfig:
@@ -221,17 +257,21 @@ def load(path: str) -> WebConfig:
 class BasicAuth:
     """Checks `Authorization: Basic ...` headers against bcrypt hashes.
 
-    Every user name is compared in constant time and an unknown user still costs one bcrypt
-    check, so neither timing nor latency tells a caller which names exist. Correct passwords
-    are remembered (a keyed digest, never the password) so regular scrapes skip bcrypt.
+    Every user name is compared in constant time and an unknown user costs one bcrypt check
+    against the configured hash of the highest cost, so an unknown name answers no faster
+    than the slowest real one (give every user the same cost and no name stands out).
+    Correct passwords are remembered (a keyed digest, never the password) so regular scrapes
+    skip bcrypt.
     """
 
     def __init__(self, users: Mapping[str, bytes]):
         self._users = dict(users)
         self._key = os.urandom(32)
-        # Checked against when the user is unknown, so that case costs what a wrong password
-        # does; made on first need with the cost of a configured hash.
-        self._dummy: bytes | None = None
+        # Checked against when the user is unknown (the answer is "no" whatever bcrypt says),
+        # so that case costs what the costliest user's wrong password does. Not a hash made
+        # for the purpose: making one at the first unknown user made that answer twice as slow.
+        self._dummy: bytes | None = max(self._users.values(), key=cost_of) \
+            if self._users else None
         self._cache: dict[bytes, None] = {}
         self._lock = threading.Lock()
 
@@ -258,9 +298,6 @@ class BasicAuth:
             if hashed is not None and digest in self._cache:
                 return True
         import bcrypt
-        if hashed is None and self._dummy is None:
-            cost = int(next(iter(self._users.values()))[4:6])
-            self._dummy = bcrypt.hashpw(os.urandom(16).hex().encode(), bcrypt.gensalt(cost))
         try:
             ok = bcrypt.checkpw(password, hashed or self._dummy) and hashed is not None
         except ValueError:

@@ -155,3 +155,56 @@ def test_successful_checks_are_cached_failures_are_not(monkeypatch):
     # An unknown user pays bcrypt too, so latency does not reveal which names exist.
     assert not auth.check(basic("mallory", "s3cret"))
     assert len(calls) == 5
+
+
+# --- hashes that cannot work, and what an unknown user costs (issue 17 item 8) --------------
+
+def _with_last(text: str, index: int, char: str) -> str:
+    return text[:index] + char + text[index + 1:]
+
+
+@pytest.mark.parametrize("spoil, message", [
+    # bcrypt refuses this salt at every login ("Invalid salt"): the old code started
+    # silently and refused everyone.
+    (lambda h: _with_last(h, 28, "z"), "invalid bcrypt salt"),
+    # A digest bcrypt never writes: no password can match it.
+    (lambda h: _with_last(h, 59, "z"), "invalid bcrypt digest"),
+    # bcrypt accepts cost 31: one login would burn a core for days.
+    (lambda h: h[:4] + "31" + h[6:], "bcrypt cost 31 is outside 4..14"),
+    (lambda h: h[:4] + "15" + h[6:], "bcrypt cost 15 is outside 4..14"),
+    (lambda h: h[:4] + "03" + h[6:], "bcrypt cost 3 is outside 4..14"),
+])
+def test_a_hash_that_cannot_work_is_refused_at_start_with_a_clear_error(tmp_path, spoil,
+                                                                         message):
+    good = bcrypt_hash("s3cret")
+    assert len(good) == 60 and webconfig.load(write_web_config(
+        tmp_path / "ok.yml", f"basic_auth_users:\n  prometheus: '{good}'\n")).users
+    path = write_web_config(tmp_path / "web.yml",
+                            f"basic_auth_users:\n  prometheus: '{spoil(good)}'\n")
+    with pytest.raises(WebConfigError) as info:
+        webconfig.load(path)
+    (error,) = info.value.errors
+    assert error.startswith(f"{path}: basic_auth_users.prometheus: {message}"), error
+    assert "htpasswd -nBC 12" in error
+
+
+def test_an_unknown_user_costs_what_the_costliest_real_one_does(monkeypatch):
+    # Old code: an unknown user was checked against a hash made (at the first unknown user)
+    # with the cost of the FIRST configured user: with a cost-4 user listed first, unknown
+    # names answered in ~1 ms and a cost-12 user's wrong password in ~0.3-1.7 s.
+    import bcrypt
+    cheap = bcrypt.hashpw(b"a", bcrypt.gensalt(4))
+    dear = bcrypt.hashpw(b"b", bcrypt.gensalt(8))
+    auth = BasicAuth({"ci": cheap, "prometheus": dear})
+    costs = []
+    real = bcrypt.checkpw
+
+    def spy(password, hashed):
+        costs.append(webconfig.cost_of(hashed))
+        return real(password, hashed)
+
+    monkeypatch.setattr(bcrypt, "checkpw", spy)
+    monkeypatch.setattr(bcrypt, "hashpw", lambda *a: pytest.fail("a hash made per request"))
+    assert not auth.check(basic("mallory", "b"))     # the costliest user's password, too
+    assert not auth.check(basic("prometheus", "wrong"))
+    assert costs == [8, 8]
