@@ -411,8 +411,9 @@ def read_records(path: str, stats: ReadStats | None = None) -> Iterator[dict]:
 
 class JournalExporter:
     """The journal as an exporter (exporters.fanout.Exporter): one line per finished write,
-    collision and finding; a verification only when it found something (corrupt or
-    unverifiable: an "ok" line per save would double the journal). The journal counts every
+    collision and finding; a verification only when it found something (corrupt,
+    unverifiable, or a whole file whose pickle torch.load(weights_only=True) refuses: an "ok"
+    line per save would double the journal). The journal counts every
     lost line itself (Journal.records_lost, read by the agent for the metrics)."""
 
     def __init__(self, journal: Journal):
@@ -435,7 +436,7 @@ class JournalExporter:
             self._write(finding)
             return
         result = finding.get("result")
-        if result in ("corrupt", "unverifiable"):
+        if result in ("corrupt", "unverifiable") or finding.get("pickle") == "full_unpickle":
             self._write(finding)
         if result == "corrupt":
             self.journal.flush()

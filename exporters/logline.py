@@ -105,6 +105,10 @@ def finding_message(f: Finding) -> str | None:
         return (f"torn read of {path}: pid {reader.get('pid', '?')} opened it for reading "
                 f"while {clean(_finding_writers(f))} wrote it")
     if f.kind == FINDING_VERIFICATION:
+        if f.get("result") == "ok" and f.get("pickle") == "full_unpickle":
+            names = ", ".join(clean(n) for n in f.get("refused_globals") or ())
+            return (f"checkpoint {path} names callables torch.load(weights_only=True) refuses "
+                    f"({names}): loading it with weights_only=False would call them")
         if f.get("result") != "corrupt":
             return None
         by = f" (written by collision {clean(f.get('collision_id'))})" \

@@ -388,7 +388,8 @@ def verification_finding(v: Verification) -> Finding:
     return Finding(kind=FINDING_VERIFICATION, path=v.path, job=v.job, wall=v.wall,
                    details={"result": v.result, "format": v.format, "reason": v.reason,
                             "cause": v.cause, "deep": v.deep, "bytes": v.bytes,
-                            "seconds": v.seconds, "collision_id": v.collision_id})
+                            "seconds": v.seconds, "collision_id": v.collision_id,
+                            "pickle": v.pickle, "refused_globals": v.refused_globals})
 
 
 def run(config: Config, stop: threading.Event | None = None) -> int:

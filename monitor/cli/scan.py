@@ -12,6 +12,19 @@ reported, and the exit code is 2 (the scan is incomplete, so it must not pass as
 Files or directories that cannot be read are listed as "unverifiable" with the OS error and
 counted in the summary; they do not change the exit code by themselves.
 
+What scan reads (it is often run as root over shared storage others can write): only regular
+files, opened without blocking and checked on the open descriptor (a FIFO, a device or a
+socket, even one swapped in after the directory was listed, is "unverifiable: not read");
+in the directories it walks, never a symbolic link that leads out of the tree given on the
+command line (an in-tree link is verified as its target, once), and every file it opens is
+the one the walk saw (same device and inode). A PATH named on the command line is the user's
+own choice and is followed. No verdict quotes a file's bytes, and names are printed with
+their control characters escaped.
+
+"ok" means the file is structurally whole (see docs/integrity.md); it says nothing about
+whether loading it is safe. A torch pickle that names callables outside what
+torch.load(weights_only=True) accepts is listed with a line saying so (details["pickle"]).
+
 The CLI wires it in with add_arguments(parser) and run(args).
 """
 from __future__ import annotations
@@ -19,6 +32,7 @@ from __future__ import annotations
 import fnmatch
 import json
 import os
+import stat
 import sys
 import textwrap
 import time
@@ -28,6 +42,8 @@ from monitor.verify import crc
 from monitor.verify import integrity
 from monitor.verify import sets as checkpoint_sets
 from monitor.cli.textfmt import human_bytes
+from monitor.verify.fileio import kind_of
+from exporters.logline import clean
 from monitor.fs.options import CHECKPOINT_PATTERNS as DEFAULT_PATTERNS
 
 EXIT_OK = 0
@@ -61,7 +77,11 @@ def add_arguments(parser) -> None:
     """Add scan's arguments to an argparse (sub)parser."""
     parser.description = ("Verify checkpoint files on disk: structure (zip directory, headers, "
                           "tensor sizes vs the pickled metadata) and, with --deep, every "
-                          "record's CRC32. Exit 1 if anything is corrupt.")
+                          "record's CRC32. Exit 1 if anything is corrupt. \"ok\" means whole, "
+                          "not safe to load: a torch pickle naming callables that "
+                          "torch.load(weights_only=True) refuses (os.system, ...) is listed "
+                          "with a line saying so. Only regular files are read; symbolic links "
+                          "out of a scanned directory are not followed.")
     parser.add_argument("paths", nargs="+", metavar="PATH",
                         help="files or directories (searched recursively)")
     parser.add_argument("--deep", action="store_true",
@@ -76,17 +96,35 @@ def add_arguments(parser) -> None:
                         help="cap the --deep read rate (default: no cap)")
 
 
-def find_files(paths, patterns=DEFAULT_PATTERNS, errors=None, found_sets=None):
-    """(files, missing): checkpoint files under paths, in a stable order, and the paths that do
-    not exist. Unreadable directories are appended to `errors` as (path, OSError); checkpoint
-    sets in the directories walked to `found_sets` (monitor.verify.sets.CheckpointSet)."""
-    files, missing, seen = [], [], set()
+@dataclass(frozen=True)
+class Target:
+    """A file to verify: `path` as shown, `source` as opened (an in-tree link's target),
+    `identity` the (st_dev, st_ino) the walk saw there, `follow` whether a symbolic link may be
+    followed (a PATH named on the command line), `skip` why it is not opened at all."""
 
-    def add(path):
-        key = os.path.realpath(path)
-        if key not in seen:
+    path: str
+    source: str
+    identity: tuple | None = None
+    follow: bool = False
+    skip: str = ""
+
+
+def _inside(path: str, tree: str) -> bool:
+    return path == tree or path.startswith(tree.rstrip(os.sep) + os.sep)
+
+
+def find_files(paths, patterns=DEFAULT_PATTERNS, errors=None, found_sets=None):
+    """(targets, missing): checkpoint files under paths as Targets, in a stable order, and the
+    paths that do not exist. Unreadable directories are appended to `errors` as (path,
+    OSError); checkpoint sets in the directories walked to `found_sets`
+    (monitor.verify.sets.CheckpointSet). See the module doc for what is followed."""
+    targets, missing, seen = [], [], set()
+
+    def add(target):
+        key = target.identity or os.path.realpath(target.source)
+        if target.skip or key not in seen:
             seen.add(key)
-            files.append(path)
+            targets.append(target)
 
     def onerror(err):
         if errors is not None:
@@ -96,16 +134,35 @@ def find_files(paths, patterns=DEFAULT_PATTERNS, errors=None, found_sets=None):
         if not os.path.lexists(top):
             missing.append(top)
         elif os.path.isdir(top):
+            tree = os.path.realpath(top)
             for root, dirs, names in os.walk(top, onerror=onerror):
                 dirs.sort()
                 if found_sets is not None:
                     found_sets.extend(checkpoint_sets.find_sets(root, names))
                 for name in sorted(names):
                     if any(fnmatch.fnmatch(name, p) for p in patterns):
-                        add(os.path.join(root, name))
+                        add(_walked(os.path.join(root, name), tree))
         else:
-            add(top)
-    return files, missing
+            add(Target(top, top, follow=True))
+    return targets, missing
+
+
+def _walked(path: str, tree: str) -> Target:
+    """The Target for a name found in a walk of `tree` (its real path)."""
+    path_to_open = path
+    try:
+        st = os.lstat(path)
+        if stat.S_ISLNK(st.st_mode):
+            path_to_open = os.path.realpath(path)
+            if not _inside(path_to_open, tree):
+                return Target(path, path, skip="not read: a symbolic link out of the scanned "
+                                               "tree, not followed")
+            st = os.stat(path_to_open)
+    except OSError:
+        return Target(path, path_to_open)   # gone, or a dangling link: verify() says why
+    if not stat.S_ISREG(st.st_mode):
+        return Target(path, path, skip=f"not read: {kind_of(st.st_mode)}, not a regular file")
+    return Target(path, path_to_open, (st.st_dev, st.st_ino))
 
 
 def scan(paths, deep=False, patterns=DEFAULT_PATTERNS, max_bytes_per_second=None,
@@ -120,9 +177,9 @@ def scan(paths, deep=False, patterns=DEFAULT_PATTERNS, max_bytes_per_second=None
     errors, found_sets = [], []
     files, missing = find_files(paths, patterns, errors, found_sets)
     sizes = []
-    for path in files:
+    for target in files:
         try:
-            sizes.append(os.stat(path).st_size)
+            sizes.append(None if target.skip else os.stat(target.source).st_size)
         except OSError:
             sizes.append(None)
     total_bytes = sum(s or 0 for s in sizes)
@@ -135,14 +192,21 @@ def scan(paths, deep=False, patterns=DEFAULT_PATTERNS, max_bytes_per_second=None
         results.append(result)
         if on_result:
             on_result(result)
-    for i, (path, size) in enumerate(zip(files, sizes)):
+    for i, (target, size) in enumerate(zip(files, sizes)):
         if progress:
             progress(i, len(files), done_bytes, total_bytes)
         started = time.monotonic()
-        verdict = integrity.verify(path, deep=deep, max_bytes_per_second=max_bytes_per_second)
-        result = Result(path, size, verdict, time.monotonic() - started)
+        if target.skip:
+            verdict = integrity.Verdict(integrity.UNVERIFIABLE, integrity.FMT_UNKNOWN,
+                                        target.skip)
+        else:
+            verdict = integrity.verify(target.source, deep=deep,
+                                       max_bytes_per_second=max_bytes_per_second,
+                                       name=target.path, follow_symlinks=target.follow,
+                                       identity=target.identity)
+        result = Result(target.path, size, verdict, time.monotonic() - started)
         results.append(result)
-        verdicts[os.path.realpath(path)] = verdict
+        verdicts[os.path.realpath(target.path)] = verdict
         done_bytes += size or 0
         if on_result:
             on_result(result)
@@ -151,12 +215,16 @@ def scan(paths, deep=False, patterns=DEFAULT_PATTERNS, max_bytes_per_second=None
         key = os.path.realpath(path)
         if key not in verdicts:
             verdicts[key] = integrity.verify(path, deep=deep,
-                                             max_bytes_per_second=max_bytes_per_second)
+                                             max_bytes_per_second=max_bytes_per_second,
+                                             follow_symlinks=False)
         return verdicts[key]
 
     for s in found_sets:
         started = time.monotonic()
-        verdict = checkpoint_sets.verify_set(s, verify_file=verify_member)
+        # A set's members are plain names in its directory; a member that is a symbolic link
+        # is not followed (it could lead anywhere).
+        verdict = checkpoint_sets.verify_set(s, verify_file=verify_member,
+                                             follow_symlinks=False)
         result = Result(s.directory, verdict.details.get("bytes"), verdict,
                         time.monotonic() - started, is_set=True)
         results.append(result)
@@ -229,10 +297,10 @@ def _run(args, out, err) -> int:
 def format_line(result: Result) -> str:
     """`corrupt       torch-zip      32.1MiB  path` and the reason wrapped below, in 80 cols."""
     v = result.verdict
-    path = result.path + ("/ (set)" if result.is_set else "")
+    path = clean(result.path) + ("/ (set)" if result.is_set else "")
     line = f"{v.status:<12} {v.format:<12} {human_bytes(result.size):>9}  {path}\n"
     if v.reason:
-        line += textwrap.fill(v.reason, WIDTH, initial_indent="    ",
+        line += textwrap.fill(clean(v.reason), WIDTH, initial_indent="    ",
                               subsequent_indent="    ", break_on_hyphens=False) + "\n"
     return line
 

@@ -3,8 +3,10 @@ hints to the kernel, and a cap on the read rate. Standard library only.
 """
 from __future__ import annotations
 
+import errno
 import io
 import os
+import stat
 import time
 
 PAGE = 4096
@@ -23,8 +25,48 @@ class CheckedFile(io.BufferedReader):
     window = (0, b"")
 
 
-def open_file(path: str) -> CheckedFile:
-    return CheckedFile(io.FileIO(path, "rb"))
+class NotRegularFile(OSError):
+    """The path names something that is not a regular file (a FIFO, a device, a socket, a
+    directory): never read, since a read could block forever or never end."""
+
+
+class ChangedFile(OSError):
+    """The file opened is not the one that was looked at (replaced in between)."""
+
+
+_OPEN_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
+_KINDS = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+          (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"),
+          (stat.S_ISDIR, "a directory"), (stat.S_ISLNK, "a symbolic link"))
+
+
+def kind_of(mode: int) -> str:
+    """'a FIFO', 'a character device', ... for what is not a regular file."""
+    for test, kind in _KINDS:
+        if test(mode):
+            return kind
+    return "not a regular file"
+
+
+def open_file(path: str, follow_symlinks: bool = True,
+              identity: tuple | None = None) -> CheckedFile:
+    """The regular file at `path`, open for reading. Opened without blocking (a FIFO's open
+    would wait for a writer) and checked on the descriptor itself, so a name swapped for a
+    FIFO or a device after a look at it is never read: NotRegularFile. follow_symlinks=False:
+    a symbolic link as the last component is not followed (OSError ELOOP). identity: the
+    (st_dev, st_ino) the caller saw; another file is ChangedFile."""
+    fd = os.open(path, _OPEN_FLAGS | (0 if follow_symlinks else os.O_NOFOLLOW))
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise NotRegularFile(errno.EINVAL, f"{kind_of(st.st_mode)}, not a regular file")
+        if identity is not None and (st.st_dev, st.st_ino) != tuple(identity):
+            raise ChangedFile(errno.ESTALE, "replaced while it was being looked at")
+        os.set_blocking(fd, True)
+        return CheckedFile(io.FileIO(fd, "rb", closefd=True))
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def pread(f, offset: int, n: int) -> bytes:

@@ -32,12 +32,12 @@ file to its checker. The verdict's names are importable from here, as they alway
 """
 from __future__ import annotations
 
+import errno
 import os
 import re
-import stat
 import struct
 
-from .fileio import Throttle, open_file, pread, will_need
+from .fileio import ChangedFile, NotRegularFile, Throttle, open_file, pread, will_need
 from .safetensorsfile import MAX_SAFETENSORS_HEADER, safetensors_header, verify_safetensors
 from .torchlegacy import LEGACY_MAGIC_BYTES, verify_legacy
 from .torchzip import TAIL_SEARCH, verify_torch_zip
@@ -50,27 +50,34 @@ __all__ = ["verify", "Verdict", "OK", "CORRUPT", "UNVERIFIABLE", "FMT_TORCH_ZIP"
            "FMT_UNKNOWN", "CAUSES", "corrupt_cause", "safetensors_header"]
 
 LFS_PREFIX = b"version https://git-lfs.github.com/spec/v1"
+_LFS_FIELDS = {"oid": re.compile(r"sha256:[0-9a-f]{64}"), "size": re.compile(r"\d{1,20}")}
 
 
 def verify(path: str, deep: bool = False, max_bytes_per_second: float | None = None,
-           name: str | None = None) -> Verdict:
-    """Verify one checkpoint file. Never raises.
+           name: str | None = None, follow_symlinks: bool = True,
+           identity: tuple | None = None) -> Verdict:
+    """Verify one checkpoint file. Never raises. Only a regular file is read (a FIFO or a
+    device, even one swapped in after the caller's look, is "unverifiable", never opened
+    blocking: fileio.open_file).
 
     name: the file's real name when `path` is a /proc/self/fd link (the format rules use it).
+    follow_symlinks=False: a symbolic link is not followed ("unverifiable"). identity: the
+    (st_dev, st_ino) the caller saw; another file found there is not read.
 
     deep: also CRC32 every zip record against the central directory (reads the whole file).
     max_bytes_per_second: cap the deep read rate (sleeps between 1 MiB chunks), so a verifying
     agent does not starve the training job's own I/O.
     """
     try:
-        # Opening a FIFO or a device would block or read forever: regular files only.
-        if not stat.S_ISREG(os.stat(path).st_mode):
-            return Verdict(UNVERIFIABLE, FMT_UNKNOWN, "not a regular file")
-        with open_file(path) as f:
+        with open_file(path, follow_symlinks, identity) as f:
             size = os.fstat(f.fileno()).st_size
             return _verify_open(f, size, name or path, deep,
                                 Throttle(max_bytes_per_second))
+    except (NotRegularFile, ChangedFile) as e:
+        return Verdict(UNVERIFIABLE, FMT_UNKNOWN, f"not read: {e.strerror}")
     except OSError as e:
+        if e.errno == errno.ELOOP and not follow_symlinks:
+            return Verdict(UNVERIFIABLE, FMT_UNKNOWN, "not read: a symbolic link, not followed")
         return Verdict(UNVERIFIABLE, FMT_UNKNOWN, f"cannot read: {e.strerror or e}",
                        {"errno": e.errno})
     except Exception as e:  # a verifier bug must not take the agent or a scan down
@@ -126,18 +133,18 @@ def _describe_other(fmt: str, head: bytes, size: int) -> Verdict:
         details = {}
         for line in head.decode("utf-8", "replace").splitlines():
             key, _, value = line.partition(" ")
-            if key in ("oid", "size"):
+            # Only values of the pointer format's own shape are kept (they are printed).
+            if key in _LFS_FIELDS and _LFS_FIELDS[key].fullmatch(value):
                 details[key] = value
         real = f" of {details['size']} bytes" if "size" in details else ""
         return Verdict(UNVERIFIABLE, FMT_LFS,
                        f"git-lfs pointer file ({size} bytes), not the checkpoint{real}: "
                        "run `git lfs pull`", details)
+    # No bytes of the file in a verdict (an HTML title, the first bytes of an unknown file):
+    # `ckptwatch scan` run by root over a tree others can write would print them, and a
+    # symbolic link to /etc/shadow made its first bytes a line of output.
     if fmt == FMT_HTML:
-        m = re.search(rb"<title[^>]*>(.*?)</title>", head, re.I | re.S)
-        title = m.group(1).decode("utf-8", "replace").strip()[:80] if m else ""
         return Verdict(UNVERIFIABLE, FMT_HTML,
                        f"HTML page ({size} bytes), not a checkpoint: a failed download "
-                       "(error or login page?)" + (f" titled {title!r}" if title else ""),
-                       {"title": title} if title else {})
-    return Verdict(UNVERIFIABLE, FMT_UNKNOWN,
-                   f"not a known checkpoint format (starts with {head[:8].hex(' ')})")
+                       "(error or login page?)")
+    return Verdict(UNVERIFIABLE, FMT_UNKNOWN, "not a known checkpoint format")

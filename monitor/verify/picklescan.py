@@ -3,7 +3,8 @@ anything the pickle names.
 
 `persistent_storages(data) -> {key: (storage type name, numel)}` for every
 ('storage', <type>, key, location, numel) persistent id in `data.pkl` (or a legacy file's
-object pickle). Raises ValueError (or a subclass: UnicodeDecodeError...) with the reason when
+object pickle); `pickle_names(data)` adds the globals the pickle names ("module.name"), which
+say whether torch.load(weights_only=True) would load it (monitor.verify.loadable). Raises ValueError (or a subclass: UnicodeDecodeError...) with the reason when
 the bytes are not a valid pickle.
 
 Two readers answer the same question:
@@ -35,6 +36,8 @@ from __future__ import annotations
 import pickle
 import pickletools
 
+from .loadable import canonical
+
 FAST_MAX_BYTES = 128 << 10    # C unpickler: <= ~240 B of objects per input byte -> ~30 MB
 BUDGET = 16 << 20             # careful reader: stack + memo + the objects it made, estimated;
                               # ~2M stack/memo slots. 48 MiB cost a third of the agent's
@@ -51,13 +54,43 @@ class BeyondBudget(Exception):
     """The pickle may be valid but is too big to judge within the memory budget."""
 
 
+MAX_GLOBALS = 256             # distinct global names kept per pickle (beyond: "<more>")
+MAX_GLOBAL_TEXT = 200         # characters of a module or name kept
+EXTENSION = "<extension>"     # an EXT1/2/4 opcode: a global named by copyreg's registry
+MORE = "<more>"               # stands for the names beyond MAX_GLOBALS
+
+
 def persistent_storages(data: bytes, budget: int = BUDGET) -> dict:
+    return pickle_names(data, budget)[0]
+
+
+def pickle_names(data: bytes, budget: int = BUDGET) -> tuple[dict, frozenset]:
+    """(persistent_storages' answer, the globals the pickle names): every class or callable
+    it would look up, as "module.name" (at most MAX_GLOBALS of them, then MORE; EXTENSION for
+    one named through copyreg's extension registry). Nothing is imported or called.
+    monitor.verify.loadable says which of them torch.load(weights_only=True) refuses."""
     if len(data) <= FAST_MAX_BYTES and _fits_fast_reader(data):
         try:
-            return _fast_storages(data)
+            reader = _Unpickler(data)
+            reader.load()
+            return reader.found, _names(reader.globals)
         except Exception:           # damaged, or beyond the fast reader: ask the careful one
             pass
-    return scan_pickle(data, budget)
+    names: set = set()
+    return scan_pickle(data, budget, names), _names(names)
+
+
+def _names(pairs) -> frozenset:
+    out = set()
+    for module, name in pairs:
+        if len(out) >= MAX_GLOBALS:
+            out.add(MORE)
+            break
+        if module is None:
+            out.add(EXTENSION if name == EXTENSION else "?.?")
+            continue
+        out.add(canonical(str(module)[:MAX_GLOBAL_TEXT], str(name)[:MAX_GLOBAL_TEXT]))
+    return frozenset(out)
 
 
 # ---------------------------------------------------------------------------- fast reader
@@ -130,6 +163,7 @@ class _Unpickler(pickle.Unpickler):
 
     def find_class(self, module, name):
         # A class (not an instance): NEWOBJ insists on calling cls.__new__ of a real type.
+        # The key is what the pickle names (EXT codes arrive here resolved by copyreg).
         key = (module, name)
         cls = self.globals.get(key)
         if cls is None:
@@ -142,16 +176,16 @@ class _Unpickler(pickle.Unpickler):
         return _INERT
 
 
-def _placeholder_name(storage_type) -> str | None:
-    """The class name a placeholder stands for (the fast reader's storage types)."""
-    named = getattr(storage_type, "ckpt_global", None)
-    return named[1] if named else None
-
-
 def _fast_storages(data: bytes) -> dict:
     reader = _Unpickler(data)
     reader.load()
     return reader.found
+
+
+def _placeholder_name(storage_type) -> str | None:
+    """The class name a placeholder stands for (the fast reader's storage types)."""
+    named = getattr(storage_type, "ckpt_global", None)
+    return named[1] if named else None
 
 
 # ---------------------------------------------------------------------------- careful reader
@@ -285,10 +319,14 @@ def _fits_fast_reader(data: bytes) -> bool:
     return False
 
 
-def scan_pickle(data: bytes, budget: int = BUDGET) -> dict:
+def scan_pickle(data: bytes, budget: int = BUDGET, names: set | None = None) -> dict:
     """The careful reader. Raises ValueError (OutOfBounds for a memo number out of order)
     when the data is not a valid pickle, BeyondBudget when judging it would take more than
-    `budget` bytes of memory."""
+    `budget` bytes of memory. names: a set to add the (module, name) pairs of the globals
+    the pickle names to (at most MAX_GLOBALS + 1; (None, None) for one whose name is not a
+    short string, (None, EXTENSION) for an extension code)."""
+    if names is None:
+        names = set()
     stack, memo, found = [], [], {}
     table, end, i = _OPCODES, len(data), 0
     append = stack.append
@@ -387,6 +425,12 @@ def scan_pickle(data: bytes, budget: int = BUDGET) -> dict:
             del stack[-count:]
             stack.append(None)          # a storage id has 5 or more items
         elif kind == _K_GENERIC:
+            if len(names) <= MAX_GLOBALS:
+                if name == "INST":
+                    names.add((raw[0][:MAX_GLOBAL_TEXT].decode("utf-8", "replace"),
+                               raw[1][:MAX_GLOBAL_TEXT].decode("utf-8", "replace")))
+                elif name in ("EXT1", "EXT2", "EXT4"):
+                    names.add((None, EXTENSION))
             if has_mark:
                 _pop_mark(stack)
             if below:
@@ -400,14 +444,20 @@ def scan_pickle(data: bytes, budget: int = BUDGET) -> dict:
                 raise ValueError("stack underflow at MEMOIZE")
             memo.append(stack[-1])
         elif kind == _K_GLOBAL:
-            stack.append(("global", raw[0].decode("utf-8", "replace"),
-                          raw[1].decode("utf-8", "replace")))
-            made += 200 + 4 * (len(raw[0]) + len(raw[1]))
+            module_name = (raw[0][:MAX_GLOBAL_TEXT].decode("utf-8", "replace"),
+                           raw[1][:MAX_GLOBAL_TEXT].decode("utf-8", "replace"))
+            stack.append(("global",) + module_name)
+            if len(names) <= MAX_GLOBALS:
+                names.add(module_name)
+            made += 200 + 4 * (len(module_name[0]) + len(module_name[1]))
         elif kind == _K_STACK_GLOBAL:
             if len(stack) < 2:
                 raise ValueError("stack underflow at STACK_GLOBAL")
             qual, module = stack.pop(), stack.pop()
             stack.append(("global", module, qual))
+            if len(names) <= MAX_GLOBALS:
+                names.add((module, qual) if type(module) is str and type(qual) is str
+                           else (None, None))
             made += 64
         elif kind == _K_EMPTY_TUPLE:
             stack.append(())

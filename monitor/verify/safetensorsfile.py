@@ -22,10 +22,11 @@ SAFETENSORS_DTYPE_SIZE = {
 }
 
 
-def safetensors_header(path: str) -> dict:
+def safetensors_header(path: str, follow_symlinks: bool = True) -> dict:
     """The JSON header of a safetensors file (bounded: MAX_SAFETENSORS_PARSE), for checks
-    across files (monitor.verify.sets). Raises ValueError with the reason, OSError."""
-    with open_file(path) as f:
+    across files (monitor.verify.sets). Raises ValueError with the reason, OSError (a FIFO or
+    a device: fileio.NotRegularFile, never opened blocking)."""
+    with open_file(path, follow_symlinks) as f:
         size = os.fstat(f.fileno()).st_size
         if size < 8:
             raise ValueError("truncated: shorter than the 8-byte header length")

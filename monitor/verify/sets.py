@@ -25,6 +25,7 @@ MAX_INDEX_BYTES, never past; a member name is one plain file name in the set's d
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import stat
@@ -135,7 +136,9 @@ def verify_set(s: CheckpointSet, verify_file=None, runs: dict | None = None,
     (the agent's knowledge; DCP shards from different runs make the set `mixed`).
     follow_symlinks: False in the agent: a member that is a symbolic link is not read.
     """
-    check = _Check(s, verify_file or integrity.verify, runs or {}, follow_symlinks)
+    check = _Check(s, verify_file or functools.partial(integrity.verify,
+                                                       follow_symlinks=follow_symlinks),
+                   runs or {}, follow_symlinks)
     try:
         if s.kind == KIND_DCP:
             check.dcp()
@@ -380,7 +383,7 @@ class _Check:
     def hf_tensors(self, name: str, path: str, hashes: array) -> int | None:
         """Compare a safetensors shard's tensors with the index's; returns its tensor bytes."""
         try:
-            header = integrity.safetensors_header(path)
+            header = integrity.safetensors_header(path, follow_symlinks=self.follow)
         except (ValueError, OSError) as e:
             self.doubts.append(f"shard {name}: {_why(e)}")
             return None

@@ -9,8 +9,8 @@ import pickletools
 import struct
 
 from .fileio import pread
-from .torchzip import MAX_PICKLE_BYTES, STORAGE_ELEMENT_SIZE, pickle_storages
-from .verdict import FMT_TORCH_LEGACY, OK, Corrupt, Unverifiable, Verdict
+from .torchzip import MAX_PICKLE_BYTES, STORAGE_ELEMENT_SIZE, ok_verdict, pickle_contents
+from .verdict import FMT_TORCH_LEGACY, Corrupt, Unverifiable, Verdict
 
 LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
 LEGACY_MAGIC_BYTES = LEGACY_MAGIC.to_bytes(10, "little")
@@ -22,13 +22,18 @@ def verify_legacy(f, size, path, deep, throttle) -> Verdict:
     f.seek(0)
     storages = {}
     keys = None
+    names = set()
     for i in range(5):
         start = f.tell()
         if start >= size:
             raise Corrupt(f"truncated: the file ends before pickle {i + 1} of 5")
         data = _read_pickle(f, size, i)
+        # torch.load unpickles all five: any of them could name a callable.
+        found, named = pickle_contents(data, "the pickled object" if i == 3
+                                       else f"pickle {i + 1} of 5")
+        names |= named
         if i == 3:
-            storages = pickle_storages(data, "the pickled object")
+            storages = found
         elif i == 4:
             keys = [arg for op, arg, _ in pickletools.genops(data)
                     if op.name in ("BINUNICODE", "SHORT_BINUNICODE", "UNICODE")]
@@ -50,9 +55,9 @@ def verify_legacy(f, size, path, deep, throttle) -> Verdict:
             raise Corrupt(f"truncated: storage {key} runs {pos - size} bytes past the end")
     if pos != size:
         raise Corrupt(f"{size - pos} unexpected bytes after the last storage")
-    return Verdict(OK, FMT_TORCH_LEGACY, "", {
+    return ok_verdict(FMT_TORCH_LEGACY, {
         "storages": len(keys), "deep": deep,
-        "note": "legacy format has no checksums: sizes and layout checked only"})
+        "note": "legacy format has no checksums: sizes and layout checked only"}, names)
 
 
 class _Bounded:

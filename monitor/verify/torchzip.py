@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 from .crc import crc32
 from .fileio import PAGE, forget, pread, prefetch
-from .picklescan import BeyondBudget, OutOfBounds, persistent_storages
+from . import loadable
+from .picklescan import BeyondBudget, OutOfBounds, pickle_names
 from .verdict import FMT_TORCH_ZIP, OK, Corrupt, Unverifiable, Verdict
 
 CHUNK = 1 << 20                      # deep reads stream in 1 MiB chunks
@@ -59,18 +60,44 @@ def verify_torch_zip(f, size, path, deep, throttle) -> Verdict:
     chained = path.endswith(".distcp")
     end, archives, totals = size, 0, {"entries": 0, "storages": 0, "unsized_storages": 0,
                                       "bytes_checked": 0}
+    names, unparsed = set(), False
     while True:
         start, info = _check_archive(f, end, deep, throttle, allow_prefix=chained)
         archives += 1
         for key in totals:
             totals[key] += info.get(key, 0)
+        names |= info.get("globals", frozenset())
+        unparsed = unparsed or "pickle_unparsed" in info
         if start == 0:
             break
         end = start
     details = dict(totals, archives=archives, deep=deep)
     if not deep:
         del details["bytes_checked"]
-    return Verdict(OK, FMT_TORCH_ZIP, "", details)
+    return ok_verdict(FMT_TORCH_ZIP, details, names, unparsed)
+
+
+def ok_verdict(fmt: str, details: dict, names, unparsed: bool = False) -> Verdict:
+    """A structurally whole torch file's verdict, saying whether torch.load(weights_only=True)
+    would load its pickle (details["pickle"]: "weights_only", "full_unpickle" with the names it
+    refuses in details["refused_globals"], or "unparsed" when the pickle was too large to
+    read; monitor.verify.loadable). A file that needs a full unpickle gets a reason: "ok"
+    alone reads like "safe to load", which it is not."""
+    refused = loadable.refused(names)
+    if unparsed:
+        details["pickle"] = "unparsed"
+        return Verdict(OK, fmt, "", details)
+    if not refused:
+        details["pickle"] = "weights_only"
+        return Verdict(OK, fmt, "", details)
+    listed = [n[:loadable.MAX_NAME] for n in refused[:loadable.MAX_LISTED]]
+    details["pickle"] = "full_unpickle"
+    details["refused_globals"] = listed
+    more = f" and {len(refused) - len(listed)} more" if len(refused) > len(listed) else ""
+    return Verdict(OK, fmt, f"structurally whole, but its pickle names "
+                            f"{', '.join(listed)}{more}, which torch.load(weights_only=True) "
+                            "refuses: loading it with weights_only=False would call them",
+                   details)
 
 
 def _check_archive(f, end: int, deep: bool, throttle, allow_prefix: bool):
@@ -273,7 +300,7 @@ def _check_torch_layout(f, entries: list) -> dict:
         raise Corrupt("byteorder record holds neither 'little' nor 'big'")
     if pkl.csize > MAX_PICKLE_BYTES:
         return {"storages": 0, "unsized_storages": 0, "pickle_unparsed": pkl.csize}
-    storages = pickle_storages(pread(f, pkl.data_start, pkl.csize), "data.pkl")
+    storages, names = pickle_contents(pread(f, pkl.data_start, pkl.csize), "data.pkl")
     unsized = 0
     for key, (type_name, numel) in storages.items():
         record = by_name.get(f"data/{key}")
@@ -286,14 +313,19 @@ def _check_torch_layout(f, entries: list) -> dict:
         if record.csize != numel * elem:
             raise Corrupt(f"record data/{key} holds {record.csize} bytes, data.pkl says "
                           f"{numel} x {type_name} = {numel * elem} bytes")
-    return {"storages": len(storages), "unsized_storages": unsized}
+    return {"storages": len(storages), "unsized_storages": unsized, "globals": names}
 
 
 def pickle_storages(data: bytes, what: str) -> dict:
     """{key: (storage type name, numel)} of every ('storage', ...) persistent id in a pickle
     (monitor.verify.picklescan: nothing the pickle names is imported or run)."""
+    return pickle_contents(data, what)[0]
+
+
+def pickle_contents(data: bytes, what: str) -> tuple[dict, frozenset]:
+    """(pickle_storages' answer, the globals the pickle names: picklescan.pickle_names)."""
     try:
-        return persistent_storages(data)
+        return pickle_names(data)
     except OutOfBounds as e:
         raise Corrupt(f"out of bounds: {what}: {str(e).removeprefix('out of bounds: ')}") \
             from None

@@ -68,6 +68,11 @@ class Verification:
     job: str = ""
     collision_id: str = ""            # the collision that wrote this path, if one did
     wall: float = 0.0
+    # Would torch.load(weights_only=True) load it? "weights_only", "full_unpickle" (it names
+    # refused_globals: callables a full unpickle would call), "unparsed", or "" (not a torch
+    # pickle): monitor.verify.loadable. "ok" alone says the file is whole, not safe to load.
+    pickle: str = ""
+    refused_globals: tuple = ()
     set_dir: str = ""                 # the checkpoint set this file may belong to (not journaled)
 
 
@@ -96,7 +101,9 @@ def _verification(path: str, verdict: integrity.Verdict, deep: bool, size: int |
     if verdict.status == integrity.CORRUPT:
         cause = verdict.details.get("cause") or integrity.corrupt_cause(verdict.reason)
     return Verification(path, verdict.status, verdict.format, _content_free(verdict), cause,
-                        deep, size, seconds, job, collision_id, wall)
+                        deep, size, seconds, job, collision_id, wall,
+                        verdict.details.get("pickle", ""),
+                        tuple(verdict.details.get("refused_globals", ())))
 
 
 @dataclass(frozen=True)
@@ -373,7 +380,8 @@ class Verifier:
         is unchanged since it was last verified, or when `readers` is a tuple of senders none
         of whom could read it (see module doc); readers=None reads with the agent's rights."""
         if readers is None:
-            result = self._verify(path, path, job, collision_id)
+            # The agent's own rights (a watched root): no symbolic link is followed.
+            result = self._verify(path, path, job, collision_id, follow_symlinks=False)
             if result is not None and result.result != RESULT_GONE:
                 set_dir = checkpoint_sets.set_of(path)
                 if set_dir is not None:
@@ -399,8 +407,8 @@ class Verifier:
         finally:
             os.close(fd)
 
-    def _verify(self, source: str, path: str, job: str, collision_id: str
-                ) -> Verification | None:
+    def _verify(self, source: str, path: str, job: str, collision_id: str,
+                follow_symlinks: bool = True) -> Verification | None:
         started = time.monotonic()
         try:
             st = os.stat(source)
@@ -420,8 +428,11 @@ class Verifier:
             if len(self._verified) > MAX_REMEMBERED:
                 self._verified.popitem(last=False)
         deep = size is not None and size <= self.deep_max_bytes
+        # The file stat'ed above and no other (integrity.verify opens it without blocking
+        # and checks it on the descriptor: a name swapped for a FIFO meanwhile is not read).
         verdict = integrity.verify(source, deep=deep, max_bytes_per_second=self.max_rate,
-                                   name=path)
+                                   name=path, follow_symlinks=follow_symlinks,
+                                   identity=(st.st_dev, st.st_ino) if st is not None else None)
         return _verification(path, verdict, deep, size, time.monotonic() - started, job,
                              collision_id, self._wall())
 

@@ -2,7 +2,6 @@
 3): a squatted socket directory, a replaced socket, files the sender could not read (the rules
 themselves, in this process: tests/unit/test_socket_trust.py). Runs as root and plays uid
 65534 (nobody)."""
-import ctypes
 import os
 import socket
 import stat
@@ -12,6 +11,7 @@ import time
 
 from agentproc import launch_agent, start_agent
 from helpers import subprocess_env, wait_for
+from openwatch import OpenWatch
 from otheruser import NOBODY, needs_root
 
 pytestmark = needs_root
@@ -42,29 +42,6 @@ def test_healthz_fails_when_the_socket_is_replaced(tmp_path):
             assert "socket" in agent.get("/healthz")[1]
         finally:
             thief.close()
-
-
-IN_OPEN, IN_ACCESS = 0x20, 0x01
-
-
-class OpenWatch:
-    """inotify on one file: did anybody open it?"""
-
-    def __init__(self, path):
-        libc = ctypes.CDLL(None, use_errno=True)
-        self.fd = libc.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC)
-        assert self.fd >= 0
-        assert libc.inotify_add_watch(self.fd, path.encode(), IN_OPEN | IN_ACCESS) >= 0
-
-    def opened(self) -> bool:
-        try:
-            data = os.read(self.fd, 4096)
-        except BlockingIOError:
-            return False
-        return bool(data)
-
-    def close(self):
-        os.close(self.fd)
 
 
 _SENDER = r'''

@@ -223,6 +223,10 @@ _ops = st.one_of(
     st.just(b"\x8c\x07storage"), st.just(b"\x8c\x0ctorch\nFloatStorage"[:0] +
                                            b"ctorch\nFloatStorage\n"),
     st.integers(-2 ** 31, 2 ** 31 - 1).map(lambda n: b"J" + struct.pack("<i", n)),
+    # globals, as GLOBAL, INST, STACK_GLOBAL and extension codes (issue 17 item 7)
+    st.sampled_from([b"cposix\nsystem\n", b"i__builtin__\neval\n", b"\x93",
+                     b"\x82\x01", b"\x83\x01\x00", b"\x84\x01\x00\x00\x00",
+                     b"ctorch._utils\n_rebuild_tensor_v2\n", b"c\x1b[2J\n\xff\n"]),
 )
 pickles = st.lists(_ops, max_size=40).map(lambda ops: b"\x80\x02" + b"".join(ops) + b".")
 
@@ -231,11 +235,17 @@ pickles = st.lists(_ops, max_size=40).map(lambda ops: b"\x80\x02" + b"".join(ops
 @given(pickles)
 def test_pickle_readers_raise_only_documented_errors(data):
     try:
-        found = picklescan.persistent_storages(data)
+        found, names = picklescan.pickle_names(data)
     except (ValueError, IndexError, KeyError, TypeError, OverflowError,
             picklescan.BeyondBudget):
         return
     assert isinstance(found, dict)
+    # The globals a verdict may list: bounded, strings, and judged by the allowlist.
+    assert len(names) <= picklescan.MAX_GLOBALS + 1
+    assert all(isinstance(n, str) and len(n) <= 2 * picklescan.MAX_GLOBAL_TEXT + 1
+               for n in names)
+    from monitor.verify import loadable
+    assert set(loadable.refused(names)) <= names
 
 
 @FUZZ

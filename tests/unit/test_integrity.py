@@ -116,7 +116,8 @@ def test_empty_lfs_html_are_what_they_are(tmp_path):
     assert "git lfs pull" in lfs.reason and "438012345" in lfs.reason
     html = verify(files["error_page.bin"])
     assert (html.status, html.format) == (UNVERIFIABLE, "html")
-    assert "403 Forbidden" in html.reason
+    # Nothing quoted from the file (its title used to be): issue 17 item 7.
+    assert "403 Forbidden" not in html.reason and "failed download" in html.reason
 
 
 def test_hole_at_start_is_corrupt(clean, tmp_path):

@@ -188,3 +188,103 @@ def test_memo_bomb_is_not_ok_and_scan_stays_small(tmp_path):
     assert result["status"] == "corrupt" and result["details"]["cause"] == "out_of_bounds"
     assert code == scan.EXIT_CORRUPT, err
     assert peak is not None and peak < 80 << 20, f"peak RSS {peak} bytes"
+
+
+# ---- files that are not files, links out of the tree (issue 17 items 5, 7) ----------------
+
+def test_a_checkpoint_swapped_for_a_fifo_after_each_look_does_not_hang_scan(tree,
+                                                                           monkeypatch):
+    # Old code: scan stat'ed the file (size), integrity.verify stat'ed it again, then opened
+    # it by name: a FIFO renamed over it after the look blocked scan forever.
+    from racer import FifoRacer, bounded
+    target = tree / "ok" / "model.pt"
+    with FifoRacer(target, monkeypatch) as racer:
+        finished, result = bounded(lambda: _run(tree / "ok"), timeout=20)
+        assert finished, "scan blocked opening a FIFO"
+        assert racer.looks >= 1
+    code, out, _ = result
+    assert "not read: a FIFO, not a regular file" in out
+    assert code == 0
+
+
+def test_a_sharded_set_whose_shard_becomes_a_fifo_does_not_hang_scan(tmp_path):
+    # Old code: a Hugging Face shard verified as a file, then renamed to a FIFO before the set
+    # check read its header again (safetensors_header opened it blocking): scan hung.
+    from racer import bounded
+    st = pytest.importorskip("safetensors.torch")
+    d = tmp_path / "hf"
+    d.mkdir()
+    st.save_file({"a": torch.ones(4)}, str(d / "model-00001-of-00001.safetensors"))
+    (d / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {"total_size": 16},
+         "weight_map": {"a": "model-00001-of-00001.safetensors"}}))
+    shard = d / "model-00001-of-00001.safetensors"
+
+    def swap(result):
+        if result.path == str(shard):               # verified as a file: now a FIFO
+            os.rename(shard, str(shard) + ".real")
+            os.mkfifo(shard)
+
+    finished, got = bounded(lambda: scan.scan([str(d)], on_result=swap), timeout=20)
+    try:
+        assert finished, "scan blocked opening a FIFO"
+    finally:
+        try:
+            os.close(os.open(shard, os.O_WRONLY | os.O_NONBLOCK))
+        except OSError:
+            pass
+    results, _ = got
+    (hf,) = [r for r in results if r.is_set]
+    assert hf.verdict.status == "unverifiable" and "FIFO" in hf.verdict.reason
+
+
+def test_scan_never_follows_a_link_out_of_the_tree_nor_prints_file_bytes(tree, tmp_path):
+    # Old code: `ckptwatch scan` as root printed "starts with 72 6f 6f 74 3a 24 36 24" for a
+    # link to /etc/shadow planted in a scanned tree.
+    from openwatch import OpenWatch
+    secret = tmp_path / "shadow"
+    secret.write_bytes(b"root:$6$SECRETSECRET:19000:0:99999:7:::\n")
+    (tree / "ok" / "stolen.pt").symlink_to(secret)
+    (tree / "ok" / "latest.pt").symlink_to(tree / "ok" / "model.pt")     # in the tree
+    (tree / "ok" / "junk.pt").write_bytes(b"\x1b[2J\x1b]0;pwned\x07 plain junk")
+    watch = OpenWatch(str(secret))
+    try:
+        code, out, _ = _run(tree / "ok")
+        assert not watch.opened(), "scan opened a file outside the scanned tree"
+    finally:
+        watch.close()
+    assert code == 0
+    assert "symbolic link out of the scanned tree, not followed" in out
+    assert secret.read_bytes()[:8].hex(" ") not in out and "SECRET" not in out
+    assert "not a known checkpoint format\n" in out and "1b 5b" not in out
+    assert "\x1b" not in out
+    # The in-tree link is its target, verified once.
+    assert out.count("model.pt") + out.count("latest.pt") == 1
+
+
+def test_names_are_printed_with_control_characters_escaped(tree):
+    evil = tree / "ok" / "a\x1b]0;pwned\x07.pt"
+    evil.write_bytes(b"")
+    code, out, _ = _run(tree / "ok")
+    assert "\x1b" not in out and "\x07" not in out and "\\x1b]0;pwned\\x07.pt" in out
+
+
+class _CallsOsSystem:
+    def __reduce__(self):
+        return (os.system, ("exit 0",))
+
+
+def test_ok_says_what_it_means_for_a_pickle_that_calls_os_system(tree):
+    # Old code: "ok torch-zip" and nothing else, which reads like "safe to load".
+    torch.save({"w": torch.ones(2), "x": _CallsOsSystem()}, tree / "ok" / "evil.pt")
+    code, out, _ = _run(tree / "ok")
+    assert code == 0                                     # whole: not corrupt
+    said = out.split("evil.pt\n", 1)[1].split("\nok ", 1)[0]
+    said = " ".join(said.split())                        # the reason, unwrapped
+    assert said.startswith("structurally whole, but its pickle names posix.system")
+    assert "torch.load(weights_only=True) refuses" in said
+    code, out, _ = _run("--format", "json", tree / "ok")
+    files = {os.path.basename(f["path"]): f for f in json.loads(out)["files"]}
+    assert files["evil.pt"]["details"]["pickle"] == "full_unpickle"
+    assert files["evil.pt"]["details"]["refused_globals"] == ["posix.system"]
+    assert files["model.pt"]["details"]["pickle"] == "weights_only"

@@ -165,3 +165,30 @@ def test_a_verification_becomes_a_finding_with_every_journaled_field():
     fields = {f.name: getattr(v, f.name) for f in dataclasses.fields(v) if f.name != "set_dir"}
     assert record == {"type": "verification", **fields}
     assert list(record)[:4] == ["type", "path", "job", "wall"]
+
+
+# ---- files that are not files (issue 17 item 5) -------------------------------------------
+
+def test_a_file_swapped_for_a_fifo_after_each_look_is_never_opened_blocking(tmp_path,
+                                                                           monkeypatch):
+    # The agent's verifier stat'ed the path, then integrity.verify stat'ed it again and
+    # opened it by name: a FIFO renamed over it in between blocked the verifier thread for
+    # good (old code: this test timed out).
+    from racer import FifoRacer, bounded
+    path = tmp_path / "shard.pt"
+    path.write_bytes(b"PK\x05\x06" + bytes(18))
+    v = Verifier()
+    with FifoRacer(path, monkeypatch) as racer:
+        finished, got = bounded(lambda: v.verify(str(path)), timeout=10)
+        assert finished, "the verifier blocked opening a FIFO"
+        assert racer.looks >= 1
+    assert got.result == "unverifiable" and "FIFO" in got.reason
+
+
+def test_a_watched_path_that_is_a_symbolic_link_is_not_followed(tmp_path):
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"root:$6$SECRET")
+    link = tmp_path / "last.pt"
+    link.symlink_to(secret)
+    got = Verifier().verify(str(link))          # readers=None: the agent's own rights
+    assert got.result == "unverifiable" and "symbolic link" in got.reason
