@@ -108,8 +108,11 @@ def lint_source(source: str, path: str = "<string>",
         col = getattr(err, "offset", None) or 1
         msg = getattr(err, "msg", None) or str(err)
         return [LintFinding(path, line, col, UNREADABLE, f"syntax error: {msg}")]
-    except (RecursionError, MemoryError):
+    except RecursionError:
         return [LintFinding(path, 1, 1, UNREADABLE, "too deeply nested to parse")]
+    except MemoryError:
+        return [LintFinding(path, 1, 1, UNREADABLE, "not checked: too large to parse in "
+                                                     "the memory available")]
     try:
         module = _Module(tree)
         if not (assume_distributed or module.distributed):

@@ -386,3 +386,22 @@ def test_atheris_short_run():
                            "-rss_limit_mb=400"], env=subprocess_env(), capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+# ---------------------------------------------------------------------------- lint's reader
+
+@FUZZ
+@given(st.sampled_from([b"", b"# -*- coding: latin-1 -*-\n", b"# coding: utf-8\n",
+                        b"\xef\xbb\xbf", b"# coding: bogus\n", b"#!/usr/bin/env python\n"
+                        b"# vim: set fileencoding=cp1252 :\n", b"# coding: utf-16\n"]),
+       st.binary(max_size=300))
+def test_lint_reads_any_bytes_into_findings_never_an_exception(prefix, body):
+    """lint's file reader (PEP 263 coding lines, BOMs, any bytes) and the analysis behind
+    it: every file becomes findings, never a traceback."""
+    from monitor.cli import lint as lint_cli
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "x.py")
+        with open(path, "wb") as f:
+            f.write(prefix + b"import torch.distributed\n" + body)
+        findings = lint_cli.lint_file(path)
+    assert all(f.code.startswith("CKW") and f.line >= 1 for f in findings)

@@ -299,3 +299,108 @@ def test_main_parser_knows_lint():
     finally:
         sys.stdout = sys_stdout
     assert code == 0 and out.getvalue() == ""
+
+
+# ---- files that are not files, sizes, encodings (issue 17 items 5, 9) ---------------------
+
+def test_a_fifo_named_like_python_is_a_line_not_a_hang(tmp_path):
+    # Old code: open() on a *.py FIFO waited for a writer forever.
+    from racer import bounded
+    (tmp_path / "ok.py").write_text("x = 1\n")
+    fifo = tmp_path / "pipe.py"
+    os.mkfifo(fifo)
+    try:
+        finished, got = bounded(lambda: lint_cli.lint_paths([str(tmp_path)]), timeout=20)
+        assert finished, "lint blocked opening a FIFO"
+    finally:
+        try:
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        except OSError:
+            pass
+    findings, missing = got
+    assert [(os.path.basename(f.path), f.code, f.message) for f in findings] == \
+        [("pipe.py", "CKW999", "not read: a FIFO, not a regular file")]
+
+
+_DEV_ZERO_LINT = r"""
+import json, resource, sys
+resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))   # the old code read 3.7 GB
+from monitor.cli import lint
+try:
+    findings, _ = lint.lint_paths([sys.argv[1]])
+    print(json.dumps([[f.code, f.message] for f in findings]))
+except MemoryError:
+    print(json.dumps("MemoryError"))
+print(json.dumps(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss))
+"""
+
+
+def test_a_link_to_dev_zero_is_not_read(tmp_path):
+    (tmp_path / "zero.py").symlink_to("/dev/zero")
+    proc = subprocess.run([sys.executable, "-c", _DEV_ZERO_LINT, str(tmp_path)],
+                          env=subprocess_env(), capture_output=True, text=True, timeout=120)
+    found, peak_kib = map(json.loads, proc.stdout.splitlines()[-2:])
+    assert found == [["CKW999", "not read: a character device, not a regular file"]], found
+    assert peak_kib < 200 << 10
+
+
+def test_a_file_too_large_to_parse_is_not_checked_and_says_so(tmp_path):
+    # Old code: a 200 MB file peaked at 12.2 GB and came out as "too deeply nested". The
+    # size is judged before a byte is read: a sparse file is enough here.
+    big = tmp_path / "generated.py"
+    with open(big, "wb") as f:
+        f.write(b"import torch.distributed\n")
+        f.truncate(lint_cli.MAX_SOURCE_BYTES + 1)
+    (finding,) = lint_cli.lint_file(str(big))
+    assert finding.code == "CKW999" and finding.message.startswith("not checked: 2.0MiB")
+    assert "larger than the 2.0MiB lint reads" in finding.message
+    # --max-file-size (MiB) moves the bound both ways.
+    small = tmp_path / "small.py"
+    small.write_text("import torch.distributed\n" + "x = 1\n" * 400)
+    proc = run_cli("--max-file-size", "0.001", str(small))
+    assert proc.returncode == 1 and "CKW999 not checked: 2.4KiB" in proc.stdout
+    assert run_cli("--max-file-size", "1", str(small)).returncode == 0
+    assert run_cli("--max-file-size", "0", str(small)).returncode == 2
+
+
+def test_a_memory_error_is_not_called_nesting():
+    import ast
+
+    def no_memory(*args, **kwargs):
+        raise MemoryError
+
+    import monitor.lint.checker as checker
+    real = checker.ast.parse
+    checker.ast.parse = no_memory
+    try:
+        (finding,) = lint_source("x = 1\n", "m.py")
+    finally:
+        checker.ast.parse = real
+    assert finding.code == "CKW999" and "nested" not in finding.message
+    assert "too large" in finding.message
+    assert ast.parse is real
+
+
+@pytest.mark.parametrize("coding, text", [
+    ("latin-1", "café"), ("cp1252", "naïve – ok"), ("utf-8", "日本"), ("koi8-r", "привет")])
+def test_a_declared_source_encoding_is_honoured(tmp_path, coding, text):
+    # Old code: every non-UTF-8 file was CKW999 "cannot read" (exit 1), whatever it declared.
+    path = tmp_path / "train.py"
+    path.write_bytes((f"# -*- coding: {coding} -*-\nimport torch.distributed\nimport torch\n"
+                      f"name = '{text}.pt'\ntorch.save({{}}, name)\n").encode(coding))
+    findings = lint_cli.lint_file(str(path))
+    assert [(f.line, f.code) for f in findings] == [(5, "CKW001")], findings
+
+
+def test_an_unknown_declared_encoding_is_a_clear_line(tmp_path):
+    path = tmp_path / "odd.py"
+    path.write_bytes(b"# coding: no-such-codec\nx = 1\n")
+    (finding,) = lint_cli.lint_file(str(path))
+    assert finding.code == "CKW999" and "no-such-codec" in finding.message
+
+
+def test_text_output_escapes_control_characters_in_paths(tmp_path):
+    (tmp_path / "a\x1b]0;pwned\x07.py").write_text("x = (\n")
+    proc = run_cli(str(tmp_path))
+    assert proc.returncode == 1
+    assert "\x1b" not in proc.stdout and "\\x1b]0;pwned\\x07.py" in proc.stdout
