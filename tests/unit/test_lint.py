@@ -339,9 +339,10 @@ def test_a_link_to_dev_zero_is_not_read(tmp_path):
     (tmp_path / "zero.py").symlink_to("/dev/zero")
     proc = subprocess.run([sys.executable, "-c", _DEV_ZERO_LINT, str(tmp_path)],
                           env=subprocess_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
     found, peak_kib = map(json.loads, proc.stdout.splitlines()[-2:])
     assert found == [["CKW999", "not read: a character device, not a regular file"]], found
-    assert peak_kib < 200 << 10
+    assert peak_kib < 200 << 10, peak_kib
 
 
 def test_a_file_too_large_to_parse_is_not_checked_and_says_so(tmp_path):
