@@ -121,7 +121,7 @@ def find_files(paths, patterns=DEFAULT_PATTERNS, errors=None, found_sets=None):
     targets, missing, seen = [], [], set()
 
     def add(target):
-        key = target.identity or os.path.realpath(target.source)
+        key = target.identity or _identity(target.source) or os.path.realpath(target.source)
         if target.skip or key not in seen:
             seen.add(key)
             targets.append(target)
@@ -145,6 +145,14 @@ def find_files(paths, patterns=DEFAULT_PATTERNS, errors=None, found_sets=None):
         else:
             add(Target(top, top, follow=True))
     return targets, missing
+
+
+def _identity(path: str) -> tuple | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino)
 
 
 def _walked(path: str, tree: str) -> Target:

@@ -288,3 +288,8 @@ def test_ok_says_what_it_means_for_a_pickle_that_calls_os_system(tree):
     assert files["evil.pt"]["details"]["pickle"] == "full_unpickle"
     assert files["evil.pt"]["details"]["refused_globals"] == ["posix.system"]
     assert files["model.pt"]["details"]["pickle"] == "weights_only"
+
+
+def test_a_file_named_and_found_in_a_directory_is_verified_once(tree):
+    code, out, _ = _run(tree / "ok" / "model.pt", tree / "ok")
+    assert code == 0 and out.count("model.pt") == 1
