@@ -175,3 +175,162 @@ def test_a_correct_job_reports_nothing(agents, patterns_job):
         agent.wait_judged()
         for kind in ("collision", "hazard"):
             assert not [r for r in records(agent, job, kind) if r["path"] in correct], kind
+
+
+# ---- transformers' save_on_each_node on shared storage ---------------------------------------
+
+def test_transformers_save_on_each_node_is_a_job_collision_on_every_host(cluster, agents):
+    """TrainingArguments(save_on_each_node=True) is meant for node-local disks: on shared
+    storage each host's local rank 0 writes the same checkpoint files."""
+    pytest.importorskip("transformers")
+    job = f"mh-hf-{uuid.uuid4().hex[:8]}"
+    out = os.path.join(cluster.shared, job)
+    script = os.path.join(REPO_ROOT, "tests", "frameworks", "hf_trainer.py")
+    hosts.finish(cluster.torchrun([script, "--out", out, "--save-on-each-node"], job=job,
+                                  agents=agents))
+    optimizer = os.path.join(out, "checkpoint-2", "optimizer.pt")
+    seen = {}
+    for agent in agents:
+        found = wait_for(lambda: [c for c in on_path(agent, job, "collision", optimizer)
+                                  if c["scope"] == "job"], timeout=60,
+                         message=f"the collision on optimizer.pt on {agent.host.name}\n"
+                                 f"{agent.log[-3000:]}")
+        assert writers(found[0]) == {("host0", 0), ("host1", 1)}, found[0]["writers"]
+        assert all("transformers" in w["site"] for w in found[0]["writers"])
+        seen[agent.host.name] = found[0]
+    assert len({c["id"] for c in seen.values()}) == 1
+    assert len({c["kind"] for c in seen.values()}) == 1
+    guard = wait_for(lambda: [h for h in on_path(agents[1], job, "hazard", optimizer)
+                              if h["hazard"] == "local_rank_guard"], timeout=30,
+                     message="local_rank_guard on host1")
+    assert guard[0]["shared"] == "mount:fuse.sshfs"
+
+
+# ---- what the watcher sees, what covers the rest ----------------------------------------------
+
+WRITE_CHECKPOINT = r'''
+import io, sys, torch
+buf = io.BytesIO()
+torch.save({"w": torch.arange(100_000)}, buf)
+data = bytearray(buf.getvalue())
+if sys.argv[2] == "corrupt":
+    data[len(data) // 2] ^= 0xFF        # a flipped byte in the tensor data: the CRC disagrees
+with open(sys.argv[1], "wb") as f:       # a plain write: no hook sees it
+    f.write(bytes(data))
+'''
+
+LOAD_CHECKPOINT = r'''
+import sys, torch
+state = torch.load(sys.argv[1])
+print(len(state["w"]))
+'''
+
+
+@pytest.fixture(scope="module")
+def watching_agent(cluster):
+    """An agent on host0 that also watches a directory of the shared storage (inotify)."""
+    watched = os.path.join(cluster.shared, "watched")
+    # Made through host0's mount: made on the server, it could stay out of sight of host0
+    # for sshfs' directory cache (20 s), and the watch would wait for it to appear.
+    cluster.hosts[0].run(["mkdir", watched])
+    agent = cluster.hosts[0].start_agent(
+        os.path.join(cluster.hosts[0].dir, "watching"), "--collision.settle", "0.5",
+        "--verify.quiet", "0.5", "--watch.path", watched, "--watch.mode", "inotify")
+    return agent, watched
+
+
+def verdicts(agent, path: str) -> list[str]:
+    return [r["result"] for r in agent.journal_records()
+            if r.get("type") == "verification" and r["path"] == path]
+
+
+def test_the_watcher_on_one_host_is_blind_to_another_hosts_writes(cluster, watching_agent):
+    """inotify reports what this kernel does: host1's write through its own sshfs mount
+    never reaches host0's watcher, though the file is there for host0 to read. (Job scope
+    carries a remote rank's saves; test_local_rank0_guard_... shows it.)"""
+    agent, watched = watching_agent
+    host0, host1 = cluster.hosts
+    here, there = os.path.join(watched, "from-host0.pt"), os.path.join(watched, "from-host1.pt")
+    host1.python(WRITE_CHECKPOINT, there, "whole")
+    host0.python(WRITE_CHECKPOINT, here, "whole")
+    # host0's own write: seen, and verified whole (an "ok" is counted, not journaled).
+    wait_for(lambda: agent.metric("ckptwatch_checkpoint_verifications_total", result="ok"),
+             timeout=30, message=f"host0's own write verified\n{agent.log[-3000:]}")
+    agent.wait_judged()
+    assert agent.metric("ckptwatch_checkpoint_verifications_total") == 1
+    assert not [r for r in agent.journal_records() if r.get("path") == there]
+    assert host0.run(["ls", watched]).stdout.split() == ["from-host0.pt", "from-host1.pt"]
+
+
+def test_a_corrupt_file_from_another_host_is_verified_when_this_host_reads_it(
+        cluster, watching_agent):
+    """host1 writes a checkpoint whose tensor data is damaged (torch.load does not check
+    CRCs: it loads); host0's watcher never saw the write, but sees host0's process read it
+    and verifies that version once."""
+    agent, watched = watching_agent
+    host0, host1 = cluster.hosts
+    path = os.path.join(watched, "damaged.pt")
+    host1.python(WRITE_CHECKPOINT, path, "corrupt")
+    agent.wait_judged()
+    assert verdicts(agent, path) == []              # nothing here wrote it
+    assert host0.python(LOAD_CHECKPOINT, path).stdout.split() == ["100000"]
+    wait_for(lambda: verdicts(agent, path), timeout=30,
+             message=f"the verification of the file host0 read\n{agent.log[-3000:]}")
+    # Read again (and read by the verifier itself): the same version is not verified again.
+    host0.python(LOAD_CHECKPOINT, path)
+    agent.wait_judged()
+    assert verdicts(agent, path) == ["corrupt"]
+
+
+# ---- the atomic policy on sshfs --------------------------------------------------------------
+
+ATOMIC_SAVER = r'''
+import json, os, socket, sys, time
+import torch
+from ckptwatch import atomic
+path, start_at, saves, truth = sys.argv[1], float(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+me = socket.gethostname()
+state = {"writer": me, "w": torch.rand(1024, 1024, generator=torch.Generator().manual_seed(len(me)))}
+time.sleep(max(0.0, start_at - time.time()))
+with open(truth, "a") as log:
+    for i in range(saves):
+        state["i"] = i
+        start = time.time()
+        torch.save(state, path)
+        log.write(json.dumps({"node": me, "start": start, "end": time.time()}) + "\n")
+print(json.dumps(atomic.stats()))
+'''
+
+
+def test_atomic_policy_leaves_one_whole_file_on_sshfs(cluster, agents):
+    """CKPTWATCH_POLICY=atomic on both hosts, the same path saved 4 times by each at the same
+    moments: sshfs renames through OpenSSH's posix-rename (rename(2) on the server), so the
+    last rename wins whole; no temporary file is left behind."""
+    import time
+    name = f"atomic-{uuid.uuid4().hex[:8]}"
+    path = os.path.join(cluster.shared, name, "last.pt")
+    os.makedirs(os.path.join(cluster.export, name))
+    truth = os.path.join(cluster.root, f"{name}.jsonl")
+    start_at = time.time() + 8           # both started and torch imported by then
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CKPTWATCH_")}
+    env.update({"CKPTWATCH_POLICY": "atomic", "OMP_NUM_THREADS": "1"})
+    procs = [host.popen([sys.executable, "-m", "monitor.cli", "run", "--socket", agent.socket,
+                         "--", sys.executable, "-c", ATOMIC_SAVER, path, str(start_at), "4",
+                         truth], env=env, cwd=REPO_ROOT, stdin=subprocess.DEVNULL,
+                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for host, agent in zip(cluster.hosts, agents)]
+    outputs = hosts.finish(procs, timeout=120)
+    for out in outputs:
+        stats = json.loads(out.strip().splitlines()[-1])
+        assert stats["atomic"] == 4 and not any(v for k, v in stats.items()
+                                                if k.startswith("fallback")), stats
+    with open(truth) as f:
+        saves = [json.loads(line) for line in f]
+    spans = {n: [(s["start"], s["end"]) for s in saves if s["node"] == n]
+             for n in ("host0", "host1")}
+    # The schedule did collide: some save of host0 overlapped some save of host1.
+    assert any(min(a[1], b[1]) > max(a[0], b[0]) for a in spans["host0"] for b in spans["host1"]), spans
+    state = torch.load(os.path.join(cluster.export, name, "last.pt"))
+    gen = torch.Generator().manual_seed(len(state["writer"]))
+    assert state["i"] == 3 and torch.equal(state["w"], torch.rand(1024, 1024, generator=gen))
+    assert os.listdir(os.path.join(cluster.export, name)) == ["last.pt"]
