@@ -161,13 +161,13 @@ class Host:
         os.makedirs(self.dir, exist_ok=True)
         # setpriv: the kernel kills unshare (and with --kill-child, the init: the whole host)
         # when the thread that booted the cluster dies, even by SIGKILL.
-        self._unshare = subprocess.Popen(
-            ["setpriv", "--pdeathsig", "SIGKILL", "--",
-             "unshare", "--pid", "--fork", "--kill-child=SIGKILL", "--mount-proc", "--net",
-             "--mount", "--uts", "--propagation", "private",
-             sys.executable, "-I", "-S", "-c", INIT, self.name],
-            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-            stderr=open(os.path.join(self.dir, "init.log"), "wb"))
+        with open(os.path.join(self.dir, "init.log"), "wb") as log:
+            self._unshare = subprocess.Popen(
+                ["setpriv", "--pdeathsig", "SIGKILL", "--",
+                 "unshare", "--pid", "--fork", "--kill-child=SIGKILL", "--mount-proc", "--net",
+                 "--mount", "--uts", "--propagation", "private",
+                 sys.executable, "-I", "-S", "-c", INIT, self.name],
+                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log)
         line = self._unshare.stdout.readline()
         if line.strip() != b"ready":
             self._unshare.wait(10)
@@ -315,7 +315,8 @@ class HostAgent(agentproc.AgentProcess):
     def __init__(self, host: Host, workdir: str, *extra: str, **kwargs):
         super().__init__(workdir, *extra, **kwargs)
         self.host = host
-        self.url = f"http://{host.name}:127.0.0.1:{self.port}"      # for messages only
+        # Inside the host's network namespace: get() goes there, urllib from here would not.
+        self.url = f"http://127.0.0.1:{self.port} (on {host.name})"
 
     def popen(self, argv, **kwargs) -> subprocess.Popen:
         return self.host.popen(argv, **kwargs)
@@ -463,7 +464,7 @@ class Cluster:
         files. Safe to call more than once, and on a half-started cluster."""
         for agent in self._agents:
             try:
-                agent.stop(timeout=15)
+                agent.close()
             except Exception:       # a host already gone: nothing left to flush
                 pass
         self._agents.clear()
