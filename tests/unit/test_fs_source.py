@@ -61,15 +61,17 @@ def test_a_file_nobody_here_wrote_is_due_when_read_once_per_version(tmp_path):
     src.start()
     try:
         read(path)
-        wait_for(lambda: notices == [str(path)], message="the read's notice")
+        wait_for(lambda: notices.count(str(path)) == 1, message="the read's notice")
         read(path)                                # the same version: nothing new
         os.utime(path, ns=(1, 1))                 # another version (no write seen here)
         read(path)
-        wait_for(lambda: len(notices) == 2, message="the new version's notice")
+        wait_for(lambda: notices.count(str(path)) == 2, message="the new version's notice")
         read(path)
         marker = tmp_path / "marker.pt"
         marker.write_bytes(b"m")
         wait_for(lambda: str(marker) in notices, message="the marker's notice")
-        assert notices == [str(path), str(path), str(marker)]
+        # (A written file may be handed on more than once: the verifier's schedule merges
+        # them. A read is handed on once per version.)
+        assert notices.count(str(path)) == 2
     finally:
         src.stop()
