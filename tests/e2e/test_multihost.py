@@ -5,9 +5,10 @@ hostname; jobs are real torchruns across the hosts over their network (gloo, ren
 host0's address), and nothing sets a CKPTWATCH_* variable: the shared storage is known from
 the mount (fuse.sshfs), the node from the hostname, the job from torchrun's --rdzv-id.
 
-Cost: ~70 s on the 2-CPU build machine at load 4 (the cluster starts in 0.4 s; two torchrun
-jobs across the hosts, the save patterns and transformers' Trainer, and single processes per
-host); skipped with the reason where the kernel refuses namespaces or FUSE.
+Cost: ~95 s on the 2-CPU build machine at load 5-7 (the cluster starts in 0.4 s; three
+torchrun jobs across the hosts -- the save patterns, a save as the job's last act,
+transformers' Trainer -- and single processes per host); skipped with the reason where the
+kernel refuses namespaces or FUSE or a tool is missing.
 """
 from __future__ import annotations
 
@@ -174,6 +175,37 @@ def test_a_correct_job_reports_nothing(agents, patterns_job):
         agent.wait_judged()
         for kind in ("collision", "hazard"):
             assert not [r for r in records(agent, job, kind) if r["path"] in correct], kind
+
+
+def test_a_save_right_before_the_job_exits_is_one_job_collision_on_every_host(
+        cluster, agents):
+    """The local_rank == 0 guard as the job's last act: each host's rank saves and its
+    process exits at once (no barrier after it). The exchange through the store must still
+    reach both agents: one collision, one id, both writers."""
+    job = f"mh-exit-{uuid.uuid4().hex[:8]}"
+    out = os.path.join(cluster.shared, job)
+    log = os.path.join(cluster.root, f"{job}-truth")
+    os.makedirs(log)
+    hosts.finish(cluster.torchrun([HOSTJOB, "--out", out, "--truth", log, "--patterns",
+                                   "local-rank0", "--exit-after-save"], job=job,
+                                  agents=agents))
+    path = os.path.join(out, "guard", "last.pt")
+    saves = []
+    for name in os.listdir(log):
+        with open(os.path.join(log, name)) as f:
+            saves += [json.loads(line) for line in f]
+    allowed = truth_kind([(s["start"], s["end"]) for s in saves])
+    seen = {}
+    for agent in agents:
+        wait_for(lambda: on_path(agent, job, "collision", path), timeout=60,
+                 message=f"the collision on {agent.host.name}\n{agent.log[-3000:]}")
+        agent.wait_judged()
+        seen[agent.host.name] = on_path(agent, job, "collision", path)
+    for name, found in seen.items():
+        assert len(found) == 1, (name, found)
+        assert found[0]["scope"] == "job" and found[0]["kind"] in allowed
+        assert writers(found[0]) == {("host0", 0), ("host1", 1)}, (name, found[0]["writers"])
+    assert len({f[0]["id"] for f in seen.values()}) == 1, seen
 
 
 # ---- transformers' save_on_each_node on shared storage ---------------------------------------

@@ -42,6 +42,9 @@ def main() -> None:
     parser.add_argument("--truth", required=True, help="directory for the true intervals")
     parser.add_argument("--patterns", default=",".join(PATTERNS))
     parser.add_argument("--width", type=int, default=1024, help="8 * width^2 bytes per save")
+    parser.add_argument("--exit-after-save", action="store_true",
+                        help="after the last save, exit at once (no barrier, no teardown), "
+                             "as a job whose last act is its checkpoint")
     args = parser.parse_args()
     dist.init_process_group("gloo")
     rank, local_rank = dist.get_rank(), int(os.environ["LOCAL_RANK"])
@@ -49,7 +52,8 @@ def main() -> None:
     state = {"rank": rank, "a": torch.rand(args.width, args.width, generator=gen),
              "b": torch.rand(args.width, args.width, generator=gen)}
     log = os.path.join(args.truth, f"rank{rank}.jsonl")
-    for pattern in args.patterns.split(","):
+    patterns = args.patterns.split(",")
+    for n, pattern in enumerate(patterns, start=1):
         path = target(pattern, args.out, rank, local_rank)
         if rank == 0:
             for p in PATTERNS:
@@ -63,6 +67,8 @@ def main() -> None:
                 f.write(json.dumps({"pattern": pattern, "path": path, "rank": rank,
                                     "node": socket.gethostname(), "start": start,
                                     "end": end}) + "\n")
+        if n == len(patterns) and args.exit_after_save:
+            return          # the interpreter exits normally (atexit runs), nothing waits
         dist.barrier()
     dist.destroy_process_group()
 

@@ -177,21 +177,24 @@ class Host:
 
     def _init_pid(self) -> int:
         path = f"/proc/{self._unshare.pid}/task/{self._unshare.pid}/children"
-        children = wait_for(lambda: open(path).read().split(), timeout=10,
-                            message=f"the init of {self.name}")
-        return int(children[0])
+
+        def children():
+            with open(path) as f:
+                return f.read().split()
+        return int(wait_for(children, timeout=10, message=f"the init of {self.name}")[0])
 
     def halt(self) -> None:
         """Kill the host: the init dies, the kernel kills every process in its pid namespace,
         its mounts and interfaces go with the last of them."""
         if self._unshare is None:
             return
-        if self.init_pid is not None and self._unshare.poll() is None:
+        if self._unshare.poll() is None:
             # Killing the init itself (not unshare): unshare, its parent, reaps it, and the
             # kernel lets the init finish dying only once every process of its pid namespace
-            # has died, so once unshare has exited nothing of the host is left.
+            # has died, so once unshare has exited nothing of the host is left. (No init yet:
+            # unshare's death kills whatever it started.)
             try:
-                os.kill(self.init_pid, signal.SIGKILL)
+                os.kill(self.init_pid or self._unshare.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
         try:
