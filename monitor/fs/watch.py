@@ -398,8 +398,8 @@ class Watcher:
                     self._set_root(root, state=LOST if root.was_watched else MISSING)
                     return False
                 reason = _fallback_reason(exc)
-                log.warning("inotify cannot watch %s (%s); polling it every %.1fs instead",
-                            root.path, exc, self.poll_interval)
+                log.warning("inotify cannot watch a root; polling it instead", extra={"fields": {
+                    "path": root.path, "error": exc, "poll_interval": self.poll_interval}})
                 self._count("fallbacks")
                 self._set_root(root, fallback=reason)
                 want = "polling"
@@ -410,7 +410,8 @@ class Watcher:
                 watch = self._observer("polling").schedule(self._handler, root.path,
                                                            recursive=True)
             except OSError as exc:
-                log.warning("cannot watch %s: %s", root.path, exc)
+                log.warning("cannot watch a root", extra={"fields": {"path": root.path,
+                                                                     "error": exc}})
                 self._count("errors")
                 self._set_root(root, state=LOST if root.was_watched else MISSING)
                 return False
@@ -523,8 +524,9 @@ class Watcher:
         for path, reason in fallbacks.items():
             root = self._roots.get(path)
             if root is not None and root.mode == "inotify":
-                log.warning("inotify watch limit reached under %s; polling it every %.1fs",
-                            path, self.poll_interval)
+                log.warning("inotify watch limit reached; polling the root instead",
+                            extra={"fields": {"path": path,
+                                              "poll_interval": self.poll_interval}})
                 self._count("fallbacks")
                 self._disarm(root)
                 self._set_root(root, fallback=reason)
@@ -543,7 +545,8 @@ class Watcher:
                 same = False
             if same and self._watch_alive(root):
                 return
-            log.warning("watched root %s is gone; watching it again when it returns", root.path)
+            log.warning("watched root is gone; watching it again when it returns",
+                        extra={"fields": {"path": root.path}})
             self._disarm(root)
             self._set_root(root, state=LOST, losses=root.losses + 1)
             self._count("root_losses")
@@ -554,7 +557,7 @@ class Watcher:
                 if again:
                     self._set_root(root, rearms=root.rearms + 1)
                     self._count("rearms")
-                    log.info("watching %s again", root.path)
+                    log.info("watching a root again", extra={"fields": {"path": root.path}})
                 self._rescan(root)
 
     def _rescan(self, root: _Root) -> None:

@@ -32,15 +32,12 @@ UNIT = os.path.join(DEPLOY, "systemd", "ckptwatch-agent.service")
 LOCK = os.path.join(DEPLOY, "requirements.lock")
 RUNBOOK = os.path.join(REPO_ROOT, "docs", "runbook.md")
 
-ALERTS = ("CkptwatchConcurrentWriteCollision", "CkptwatchRedundantCheckpointWrites",
-          "CkptwatchCheckpointSizeFluctuation", "CkptwatchCheckpointHazard",
-          "CkptwatchEventsRejected", "CkptwatchClientEventsDropped", "CkptwatchAgentDown")
+ALERTS = ("CkptwatchConcurrentWriteCollision", "CkptwatchCorruptCheckpoint",
+          "CkptwatchRedundantCheckpointWrites", "CkptwatchCheckpointSizeFluctuation",
+          "CkptwatchCheckpointHazard", "CkptwatchEventsRejected", "CkptwatchClientEventsDropped",
+          "CkptwatchLabelValuesOverflowed", "CkptwatchAgentDown")
 # Series Prometheus makes itself rather than scraping them from the agent.
 PROMETHEUS_SERIES = {"up", "ALERTS", "ALERTS_FOR_STATE"}
-# Metrics of a written contract whose exporter has not landed yet (issue 9: job scope). The
-# rules may name them; test_contract_metrics_are_still_pending fails once they are exported,
-# so this set cannot outlive its reason.
-PENDING_CONTRACT = {"ckptwatch_hazards_total"}
 RUNBOOK_BASE = "https://github.com/ckptwatch/ckptwatch/blob/main/docs/runbook.md"
 
 needs_promtool = pytest.mark.skipif(shutil.which("promtool") is None,
@@ -147,6 +144,8 @@ def exported_names():
     state.set_active_writes({"j": 1})
     state.finding("size_fluctuation", "j")
     state.finding("torn_read", "j")
+    state.hazard("j", "local_rank_guard")
+    state.verification("corrupt", "torn", job="j", path="/c/x.pt", wall=4.0)
     fs_stats = {"events_lost": 0, "fallbacks": 0, "attributions": 1,
                 "attribution_seconds": 0.1, "attribution_errors": 0,
                 "roots": {"/ckpt": {"mode": "inotify", "state": "watching"}}}
@@ -168,18 +167,46 @@ def exported_names():
     return names
 
 
+def template_query_metrics(rule) -> set[str]:
+    """Metrics an alert's annotations read with a template query (printf "name{...}" | query)."""
+    return set(re.findall(r'printf "(\w+)\{', " ".join(rule.get("annotations", {}).values())))
+
+
 def test_rules_use_only_exported_metrics(exported_names):
     used = set()
     for rule in alert_rules():
-        used |= metric_names(rule["expr"])
+        used |= metric_names(rule["expr"]) | template_query_metrics(rule)
     assert {"ckptwatch_last_collision_timestamp_seconds",
+            "ckptwatch_last_corrupt_checkpoint_timestamp_seconds",
+            "ckptwatch_last_collision_verification",
             "ckptwatch_size_fluctuations_total", "ckptwatch_hazards_total"} <= used
-    assert used - exported_names - PROMETHEUS_SERIES - PENDING_CONTRACT == set()
+    assert used - exported_names - PROMETHEUS_SERIES == set()
 
 
-def test_contract_metrics_are_still_pending(exported_names):
-    # Once the exporter has them, drop them from PENDING_CONTRACT (and check their labels).
-    assert not PENDING_CONTRACT & exported_names
+JOB_ALERTS = ("CkptwatchConcurrentWriteCollision", "CkptwatchCorruptCheckpoint",
+              "CkptwatchRedundantCheckpointWrites", "CkptwatchCheckpointSizeFluctuation",
+              "CkptwatchCheckpointHazard")
+JOURNAL = "/var/lib/ckptwatch/journal.jsonl"
+
+
+def test_alerts_keep_every_target_label_and_name_the_report_command():
+    """f503c65 grouped by (training_job, instance, node): in sidecar mode the pod and namespace
+    of the training pod were lost, CkptwatchCorruptCheckpoint had no training_job, and the
+    descriptions said "Run `ckptwatch report` on that node" with no journal."""
+    rules = {r["alert"]: r for r in alert_rules()}
+    for name, rule in rules.items():
+        assert not re.search(r"\b(by|without)\s*\(", rule["expr"]), name
+    for name in JOB_ALERTS:
+        rule = rules[name]
+        text = json.dumps(rule["annotations"])
+        assert "$labels.training_job" in rule["annotations"]["summary"], name
+        assert f"-- ckptwatch report --journal {JOURNAL}`" in text, name
+        assert "kubectl -n {{ $labels.namespace }} exec {{ $labels.pod }}" in text, name
+        assert "-c {{ . }}" in text, name                            # the sidecar's container
+    metrics = {m for name in JOB_ALERTS for m in metric_names(rules[name]["expr"])}
+    assert metrics <= {"ckptwatch_last_collision_timestamp_seconds",
+                       "ckptwatch_last_corrupt_checkpoint_timestamp_seconds",
+                       "ckptwatch_size_fluctuations_total", "ckptwatch_hazards_total"}
 
 
 def test_dashboard_uses_only_exported_metrics(exported_names):
