@@ -391,13 +391,18 @@ def panel(title):
     return found
 
 
-def panel_expr(title, **values):
-    (target,) = panel(title)["targets"]
-    expr = target["expr"]
-    for var, value in values.items():
-        expr = expr.replace(f"${var}", value)
+def substitute(expr, values):
+    """expr with Grafana's variables replaced, longest name first ($__range_s before
+    $__range)."""
+    for var in sorted(values, key=len, reverse=True):
+        expr = expr.replace(f"${var}", values[var])
     assert "$" not in expr, expr
     return expr
+
+
+def panel_expr(title, **values):
+    (target,) = panel(title)["targets"]
+    return substitute(target["expr"], values)
 
 
 @needs_promtool
@@ -457,22 +462,68 @@ def test_collision_panels_link_to_the_paths():
                   "Last collision", "Last collision by job", "Collisions by job and kind"):
         links = panel(title).get("links", [])
         assert any(link["url"].endswith("runbook.md#finding-the-paths") for link in links), title
-    text = panel("Which paths? Run ckptwatch report on the node")
+    text = panel("Which paths? Run ckptwatch report where the agent runs")
     assert text["type"] == "text"
-    assert "ckptwatch report --journal" in text["options"]["content"]
-    assert "${node}" in text["options"]["content"]
+    assert "ckptwatch report --journal /var/lib/ckptwatch/journal.jsonl" in \
+        text["options"]["content"]
+
+
+def test_no_text_panel_uses_a_variable_that_can_be_all():
+    """f503c65's text panel put ${node} into `--field-selector spec.nodeName=${node}`: with
+    "All" (or several nodes) selected, a command that selects nothing."""
+    variables = {v["name"] for v in dashboard()["templating"]["list"] if v.get("includeAll")
+                 or v.get("multi")}
+    assert variables == {"node", "training_job"}
+
+    def walk(panels):
+        for p in panels:
+            if p["type"] == "text":
+                for name in variables:
+                    assert f"${name}" not in p["options"]["content"], p["title"]
+                    assert "${" + name not in p["options"]["content"], p["title"]
+            walk(p.get("panels", []))
+    walk(dashboard()["panels"])
+
+
+def top_row():
+    """The panels of the dashboard's first row, left to right."""
+    panels = dashboard()["panels"]
+    assert panels[0]["type"] == "row" and panels[0]["gridPos"]["y"] == 0
+    end = next(i for i, p in enumerate(panels[1:], 1) if p["type"] == "row")
+    return sorted(panels[1:end], key=lambda p: p["gridPos"]["x"])
+
+
+def test_top_row_is_what_on_call_reads_first():
+    """Collisions, corrupt checkpoints, hazards, agents down: f503c65 showed no hazards and
+    corrupt checkpoints only in a time series near the bottom."""
+    row = top_row()
+    assert [p["type"] for p in row] == ["stat"] * 4
+    exprs = [p["targets"][0]["expr"] for p in row]
+    assert 'ckptwatch_collisions_total{kind="concurrent"' in exprs[0]
+    assert "ckptwatch_last_corrupt_checkpoint_timestamp_seconds" in exprs[1]
+    assert "ckptwatch_hazards_total" in exprs[2]
+    assert exprs[3].startswith('count(up{job="ckptwatch", node=~"$node"} == 0)')
+    for p in row:
+        assert p["targets"][0]["expr"].endswith(" or vector(0)"), p["title"]   # 0, not "No data"
+        assert p["gridPos"]["y"] == 1 and p["links"], p["title"]
+
+
+def test_save_duration_panels_read_the_histogram():
+    heatmap = next(p for p in dashboard()["panels"] if p["type"] == "heatmap")
+    (target,) = heatmap["targets"]
+    assert target["format"] == "heatmap"
+    assert "by (le)" in target["expr"] and "ckptwatch_write_duration_seconds_bucket" in \
+        target["expr"]
 
 
 @needs_promtool
 def test_dashboard_queries_are_valid_promql(tmp_path):
     # promtool has no expression checker, but it parses recording rules: wrap each query.
-    values = {"$__rate_interval": "5m", "$__range": "1h", "$training_job": ".*", "$node": ".*"}
+    values = {"__rate_interval": "5m", "__range": "1h", "__range_s": "3600",
+              "training_job": ".*", "node": ".*"}
     rules = []
     for i, expr in enumerate(dashboard_exprs()):
-        for var, value in values.items():
-            expr = expr.replace(var, value)
-        assert "$" not in expr, expr
-        rules.append({"record": f"dashboard:query_{i}", "expr": expr})
+        rules.append({"record": f"dashboard:query_{i}", "expr": substitute(expr, values)})
     path = tmp_path / "dashboard-rules.yml"
     path.write_text(yaml.safe_dump({"groups": [{"name": "dashboard", "rules": rules}]}))
     promtool("check", "rules", str(path))
