@@ -27,6 +27,7 @@ opened and closed between two scans is never attributed. The agent's own pid is 
 """
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import threading
@@ -38,6 +39,8 @@ import psutil
 
 from ckptwatch import identity
 from monitor.detect.model import Writer
+
+log = logging.getLogger(__name__)
 
 # Process names (psutil name(), i.e. the kernel comm, at most 15 characters) and interpreter
 # prefixes that make a process a candidate checkpoint writer.
@@ -151,6 +154,16 @@ class ProcScanner:
                        "denied": 0, "vanished": 0, "cache_hits": 0, "full_scans": 0,
                        "candidates": 0, "refreshes": 0, "updates": 0}
 
+    def _denied(self) -> None:
+        """The kernel refused another user's /proc/<pid>/fd or environ: counted, and said once,
+        since until the agent may read them no writer of a watched file is named."""
+        self._stats["denied"] += 1
+        if self._stats["denied"] == 1:
+            log.warning("cannot read another user's open files in /proc (needs CAP_SYS_PTRACE): "
+                        "writers of watched files the hook does not report stay unnamed, and "
+                        "collisions among them are not detected",
+                        extra={"fields": {"uid": os.geteuid()}})
+
     # ------------------------------------------------------------------ public API
 
     def holders_of(self, path: str, candidates: Iterable | None = None,
@@ -203,7 +216,7 @@ class ProcScanner:
                 if ident is not None:
                     return _holder(mode, None, ident)
             except psutil.AccessDenied:
-                self._stats["denied"] += 1
+                self._denied()
             except Exception:
                 self._stats["errors"] += 1
             return Holder(Writer(self.node, pid), mode)
@@ -246,7 +259,7 @@ class ProcScanner:
                         self._stats["vanished"] += 1
                         continue
                     except psutil.AccessDenied:
-                        self._stats["denied"] += 1
+                        self._denied()
                         continue
                     except Exception:
                         self._stats["errors"] += 1
@@ -344,7 +357,7 @@ class ProcScanner:
             except psutil.NoSuchProcess:
                 self._stats["vanished"] += 1
             except psutil.AccessDenied:
-                self._stats["denied"] += 1
+                self._denied()
             except Exception:   # a scan must never fail the agent; counted instead
                 self._stats["errors"] += 1
         return found

@@ -81,6 +81,10 @@ _KIND_BY_TYPE = {"opened": OPENED, "modified": MODIFIED, "closed": CLOSED_WRITE,
 WATCHING = "watching"
 LOST = "lost"          # was watched, then deleted (or its watch died); re-armed when it returns
 MISSING = "missing"    # did not exist when the watcher started
+# The agent may not read it (no read permission and no CAP_DAC_READ_SEARCH): watchdog skips an
+# inotify watch refused with EACCES without a word, which left such a root reported as
+# watching while no event ever came. Tried again like a missing root.
+UNREADABLE = "unreadable"
 
 
 @dataclass(frozen=True)
@@ -387,6 +391,16 @@ class Watcher:
         except OSError:
             self._set_root(root, state=MISSING if not root.was_watched else LOST)
             return False
+        try:
+            os.close(os.open(root.path, os.O_RDONLY | os.O_DIRECTORY))
+        except OSError as exc:
+            if root.state != UNREADABLE:
+                log.warning("cannot read a watched root (it needs read permission for the "
+                            "agent's user, or CAP_DAC_READ_SEARCH): not watching it",
+                            extra={"fields": {"path": root.path, "error": exc}})
+                self._count("errors")
+            self._set_root(root, state=UNREADABLE)
+            return False
         want = "polling" if (self.mode == "polling" or root.fallback
                              or not inotify_available()) else "inotify"
         if want == "inotify":
@@ -551,7 +565,7 @@ class Watcher:
             self._set_root(root, state=LOST, losses=root.losses + 1)
             self._count("root_losses")
             self._emit(FsEvent(ROOT_LOST, root.path, None, self._clock(), self._wall_clock()))
-        if root.state in (LOST, MISSING) and os.path.isdir(root.path):
+        if root.state in (LOST, MISSING, UNREADABLE) and os.path.isdir(root.path):
             again = root.was_watched
             if self._arm(root):
                 if again:

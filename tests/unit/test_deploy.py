@@ -573,8 +573,11 @@ def test_daemonset_hygiene(manifests):
     ports = {p["name"]: p["containerPort"] for p in agent["ports"]}
     assert ports == {"metrics": 19400}
     assert "--web.listen-address=:19400" in agent["args"]
-    for probe in ("livenessProbe", "readinessProbe"):
-        assert agent[probe]["httpGet"] == {"path": "/healthz", "port": "metrics"}
+    assert agent["livenessProbe"]["httpGet"] == {"path": "/-/healthy", "port": "metrics"}
+    assert agent["readinessProbe"]["httpGet"] == {"path": "/-/ready", "port": "metrics"}
+    # Not a blanket `operator: Exists` (f503c65): it also tolerates NoExecute taints.
+    assert all(t.get("key") for t in spec["tolerations"]), spec["tolerations"]
+    assert spec["nodeSelector"] == {"kubernetes.io/os": "linux"}
 
     for c in all_containers(spec):
         sc = c["securityContext"]
