@@ -42,6 +42,20 @@ from monitor.detect.model import Writer
 
 log = logging.getLogger(__name__)
 
+CAP_SYS_PTRACE = 19          # linux/capability.h
+
+
+def has_capability(bit: int, status_path: str = "/proc/self/status") -> bool:
+    """Whether this process has capability `bit` in its effective set (False if unknown)."""
+    try:
+        with open(status_path, encoding="ascii", errors="replace") as fh:
+            for line in fh:
+                if line.startswith("CapEff:"):
+                    return bool(int(line.split()[1], 16) >> bit & 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    return False
+
 # Process names (psutil name(), i.e. the kernel comm, at most 15 characters) and interpreter
 # prefixes that make a process a candidate checkpoint writer.
 CANDIDATE_NAMES = frozenset({"torchrun", "deepspeed", "accelerate", "pt_elastic", "mpirun",
@@ -155,10 +169,12 @@ class ProcScanner:
                        "candidates": 0, "refreshes": 0, "updates": 0}
 
     def _denied(self) -> None:
-        """The kernel refused another user's /proc/<pid>/fd or environ: counted, and said once,
-        since until the agent may read them no writer of a watched file is named."""
+        """The kernel refused a process's /proc/<pid>/fd or environ: counted, and said once.
+        Without CAP_SYS_PTRACE that is every other user's process, so no writer of a watched
+        file is named; with it, only processes a security module or another user namespace
+        keeps from the agent."""
         self._stats["denied"] += 1
-        if self._stats["denied"] == 1:
+        if self._stats["denied"] == 1 and not has_capability(CAP_SYS_PTRACE):
             log.warning("cannot read another user's open files in /proc (needs CAP_SYS_PTRACE): "
                         "writers of watched files the hook does not report stay unnamed, and "
                         "collisions among them are not detected",
