@@ -1,51 +1,86 @@
-"""In-process event sender: the save path builds frames, one background thread sends them.
+"""In-process event sender: a save's frames go to the kernel from the save path itself.
 
 Loaded into training processes: standard library only. The contract with the caller (the
 torch.save hook): nothing here blocks on I/O or raises on the caller's thread.
 
-Cost (issue 8, item 10; bench/hook_overhead.py). Python work done by a background thread while
-the training thread runs makes the two trade the GIL, and each hand-over costs the training
-thread a futex wake-up -- on a virtual machine several times the work handed over. So the save
-path does the little per-save work itself (ckptwatch/hook.py formats one frame from
-pre-encoded parts) and the sender thread only wakes up about once per LINGER, to hand whatever
-was gathered meanwhile to the kernel in one send:
+On record before the first byte (issue 16 item 2). A save's start frame is written to the
+agent's socket by the thread that saves, before torch writes the file, and its end frame as
+soon as the save returns or raises: record(frame) sends it at once with a non-blocking send
+(MSG_DONTWAIT) on the process's connection. Once send() returned, the bytes are in the agent's
+socket (a Unix stream socket queues them on the receiver's side): a process that then exits
+through os._exit, dies of SIGTERM's default action, SIGKILL or a segfault leaves them behind,
+and the agent reads them. record() never waits. It hands the frame to the sender thread's
+queue instead (counted in stats()["fallback"], by reason) when:
 
-- A save announces its start with defer(key, start). The start is not sent at all if the save
-  ends before the sender's next turn but one (LINGER to 2 x LINGER): undefer() then says so, and
-  the end frame, which carries the start's times, stands alone ("a lone end",
-  ckptwatch/events.py): the agent learns the whole write from one frame. The start of a save
-  still running by then is built and sent by the sender thread, so the agent sees a long or
-  hung write while it is in flight, and always before its end.
-- emit() queues a finished frame (bytes), or a dict or (builder, *args) that the sender thread
-  builds (rare events: job scope, tests).
+- "unconnected": there is no connection and none could be made now. The save path connects
+  itself when there is none (below), so this means the agent is absent, its socket untrusted,
+  or its listen backlog full -- or a connect failed within the backoff (BACKOFF_MIN..MAX).
+- "busy": another thread holds the connection (the sender thread writing or reading acks,
+  another saving thread, or a save from a signal handler that interrupted a save): the lock
+  is taken without waiting.
+- "full": the socket buffer is full (the agent is not reading: stopped, stalled, behind), or
+  took only part of the frame (the rest is finished by the sender thread, first in line).
+- "behind": frames handed to the sender before this one still wait (order: a start always goes
+  before its end, and everything on a connection in the order it was recorded).
+- "broken": the send failed (the agent closed the connection or died); the sender reconnects.
 
-Transport: one AF_UNIX SOCK_STREAM connection per process, frames from ckptwatch.events. The
-connection is made lazily and re-made with backoff when the agent is absent or restarted;
-events queued meanwhile are delivered once it is back, up to the queue bound. When the queue is
-full new events are dropped and counted, and the count is sent as a "dropped" event once the
-agent is reachable. Every connection begins with a "hello" frame asking the agent for
-acknowledgements, and for notices under the warn policy.
+What is then at risk: a frame in the queue is in user space until the sender thread writes it
+-- it is woken at once (no batching delay), so on a healthy node that is a thread switch, but
+while the agent is absent, stalled or not reading it is as long as that lasts. A process that
+dies meanwhile takes those frames with it; the queue is bounded (max_queue; beyond, dropped and
+counted, and the count is sent as a "dropped" event once the agent is reachable).
 
-The socket is non-blocking: a frame partly written stays first in line, and the thread waits
-for room (poll, without the GIL) instead of timing out, so no frame is ever cut short on a live
-connection, and a save never waits for the agent (the queue is bounded: beyond, drops).
+Connecting. The save path connects when there is no connection, with a non-blocking connect:
+on a Unix stream socket connect() completes at once or fails with EAGAIN (the listener's
+backlog is full); it never waits for the agent to accept. So the first save of a process --
+a forked or spawned child that saves and exits within milliseconds -- writes the connection's
+hello and its start before its first byte like any other save. Nothing connects at install
+time: every process that imports torch under `ckptwatch run` (DataLoader workers, compile
+workers, torchrun's own agent) would hold a connection to the agent without ever saving. A
+failed connect sets the backoff, so a save does not retry an absent agent more than about once
+a second; the sender thread retries on the same schedule while it has frames to send.
+
+One connection, two writers. The connection, the frames not completely written (_unsent) and
+the frames written but not acknowledged (_unacked) belong to whoever holds _io, a plain lock:
+the save path takes it without waiting (else "busy"), the sender thread with waiting, and
+neither holds it across anything that waits (the sender polls for room, and runs the notice
+handler, without it). Frames are written in the order they are recorded: the save path writes
+directly only when nothing recorded earlier still waits ("behind"), and the sender moves its
+queue into _unsent under the lock.
+
+Cost (issue 22; bench/hook_overhead.py, docs/performance.md). Python work on a background
+thread while the training thread runs makes the two trade the GIL, and each hand-over costs
+the training thread a futex wake-up -- on a virtual machine several times the work handed over.
+So the save path builds its frames itself (ckptwatch/hook.py formats them from pre-encoded
+parts) and writes them itself; the sender thread has nothing to do while saves go directly, and
+wakes only to read acknowledgements (every ACK_POLL while frames wait for one, or when
+UNACKED_KICK of them have piled up), for the queue, and to reconnect.
+
+emit() queues a finished frame (bytes), or a dict or (builder, *args) that the sender thread
+builds: events that are not a save's own (job scope, drop reports, tests).
+
+Transport: one AF_UNIX SOCK_STREAM connection per process, frames from ckptwatch.events. Every
+connection begins with a "hello" frame asking the agent for acknowledgements, and for notices
+under the warn policy. The socket is non-blocking: a frame partly written stays first in line,
+and the sender thread waits for room (poll, without the GIL or the lock), so no frame is ever
+cut short on a live connection and a save never waits for the agent.
 
 Acknowledgements (issue 8, item 9): the agent answers "ack" frames that say how many frames of
 this connection it has taken in (handed on to its loop, not merely read off the socket). Frames
-written but not acknowledged yet are kept, at most MAX_UNACKED (beyond, the oldest is forgotten
-and counted as "unconfirmed"). When the agent ends the connection -- it was killed or restarted,
-or it closed us -- the acknowledgements still readable are read, and every frame still
-unacknowledged is sent again first on the next connection ("resent"). A frame the old agent
-took in but died before acknowledging is so seen twice; the agent ignores a write it has
-already seen while it lives (monitor.detect), and a record repeated across a restart keeps its
-id. With an agent that never acknowledges (an older one), only frames not completely written
-are sent again.
+written but not acknowledged yet -- by the save path or the sender thread alike -- are kept, at
+most MAX_UNACKED (beyond, the oldest is forgotten and counted as "unconfirmed"). When the agent
+ends the connection -- it was killed or restarted, or it closed us -- the acknowledgements still
+readable are read, and every frame still unacknowledged is sent again first on the next
+connection ("resent"). A frame the old agent took in but died before acknowledging is so seen
+twice; the agent ignores a write it has already seen while it lives (monitor.detect), and a
+record repeated across a restart keeps its id. With an agent that never acknowledges (an older
+one), only frames not completely written are sent again.
 
 Fork: a forked child must not write into the parent's connection (the agent checks the peer pid
 and the two streams would interleave), and it inherits a copy of the parent's queue with the
-parent's events. An at-fork handler gives every Emitter in the child a fresh queue, lock, wake
+parent's events. An at-fork handler gives every Emitter in the child a fresh queue, locks, wake
 event, thread and connection, and drops the inherited copy of the parent's socket object without
-sending anything on it.
+sending anything on it; the child's first save connects (above).
 
 Notices (the warn policy, ckptwatch.policy): with on_notice set, the sender thread hands it the
 notices the agent sends on the connection (wire contract: ckptwatch/events.py). It reads what
@@ -55,13 +90,13 @@ bounded and validated (events.decode_agent_frame), a malformed one is counted an
 oversized one ends reading on that connection, and on_notice's own failures are counted. A notice
 that arrives after the process has exited is lost (the agent reports the collision anyway).
 
-Exit: an atexit handler flushes within flush_timeout (CKPTWATCH_FLUSH_TIMEOUT overrides) -- but
-does not wait at all when the agent cannot be reached, so a job without an agent exits at
-normal speed; it waits for frames to be written, not for their acknowledgement. Processes that
-end with os._exit (e.g. multiprocessing children) skip atexit and lose whatever the sender had
-not sent yet. atexit runs handlers last-registered-first: a save made by a handler registered
-before this module was imported (i.e. before torch, under the bootstrap) runs after our flush
-and is dropped.
+Exit: an atexit handler flushes the queue within flush_timeout (CKPTWATCH_FLUSH_TIMEOUT
+overrides) -- but does not wait at all when the agent cannot be reached, so a job without an
+agent exits at normal speed; it waits for frames to be written, not for their acknowledgement.
+A process that ends without atexit (os._exit, a signal) loses only what was in the queue (see
+above). atexit runs handlers last-registered-first: a save made by a handler registered before
+this module was imported (i.e. before torch, under the bootstrap) runs after our shutdown and
+is dropped.
 """
 from __future__ import annotations
 
@@ -83,17 +118,16 @@ from ckptwatch.identity import identity
 FLUSH_TIMEOUT_ENV = "CKPTWATCH_FLUSH_TIMEOUT"
 BATCH_MAX = 1024              # frames taken from the queue per turn: bounded work and memory
 SEND_CHUNK = 256 * 1024       # bytes offered to one send()
-CONNECT_TIMEOUT = 2.0         # a listener whose backlog is full must not wedge the sender
 SEND_WAIT = 0.5               # wait this long for room in the socket, then look around again
 BACKOFF_MIN = 0.05
 BACKOFF_MAX = 1.0
 IDLE_WAIT = 5.0               # periodic wake-up; a lost wake-up costs at most this long
-LINGER = 0.02                 # gather frames this long before sending (end-to-end latency)
 NOTICE_POLL = 0.2             # idle wake-up period while notices are read (warn policy)
 ACK_POLL = 0.5                # idle wake-up period while frames wait for acknowledgement
 AGENT_READS = 4               # recv calls per turn for acks and notices: bounded work
 MAX_UNACKED = 4096            # frames kept for resending (~1-2 MB at most)
-MAX_DEFERRED = 1024           # saves in flight with a held start; beyond, starts go at once
+UNACKED_KICK = 1024           # the save path wakes the sender to read acks at this many
+FALLBACK_REASONS = ("unconnected", "busy", "full", "behind", "broken")
 _PEERCRED = struct.Struct("3i")   # struct ucred: pid, uid, gid
 _NONBLOCKING = socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL
 
@@ -145,12 +179,14 @@ class Emitter:
     def _reset_state(self) -> None:
         # Everything a process must own privately; called again in a forked child.
         self._queue: collections.deque = collections.deque()
-        self._deferred: dict = {}          # key -> start item of a save in flight, unsent
-        self._seen_deferred: tuple = ()    # keys deferred at the previous turn
         self._wake = threading.Event()
         # Only for thread start and the (rare) drop path. Reentrant: a signal handler that saves
         # a checkpoint can interrupt emit() while the main thread holds it.
         self._lock = threading.RLock()
+        # The connection and what is written on it (module doc, "One connection, two
+        # writers"). Not reentrant: a save from a signal handler that interrupted a save
+        # holding it must fail its non-blocking acquire, not write into the middle of a frame.
+        self._io = threading.Lock()
         self._thread: threading.Thread | None = None
         self._sock: socket.socket | None = None
         self._idle = True                  # sender is waiting with nothing in flight
@@ -168,6 +204,8 @@ class Emitter:
         self._next_connect = 0.0
         self._backoff = BACKOFF_MIN
         self._sent = 0                     # event frames completely written (again if resent)
+        self._direct = 0                   # of which written by record() on the caller's thread
+        self._fallback = dict.fromkeys(FALLBACK_REASONS, 0)   # record()s handed to the thread
         self._resent = 0                   # frames sent again after the agent ended a connection
         self._unconfirmed = 0              # frames forgotten before any acknowledgement
         self._dropped = 0                  # total dropped (queue full, too large, after close)
@@ -180,8 +218,77 @@ class Emitter:
 
     # ---- caller side (the save path) -------------------------------------------------------
 
+    def record(self, frame: bytes) -> None:
+        """Write a save's finished frame (events.frame) to the agent's socket now, from the
+        caller's thread, without waiting; if it cannot go now, queue it for the sender thread
+        (module doc: the reasons, and what is then at risk). Never blocks, never raises."""
+        io = self._io
+        if not io.acquire(False):
+            self._fall_back(frame, "busy")
+            return
+        try:
+            sock = self._sock
+            if sock is None:
+                reason = self._connect_and_write(frame)
+            elif self._unsent or self._queue:
+                reason = "behind"
+            else:
+                try:
+                    written = sock.send(frame, _NONBLOCKING)
+                except (BlockingIOError, InterruptedError):
+                    reason = "full"
+                except OSError:
+                    reason = "broken"    # the sender finds the connection gone and reconnects
+                else:
+                    if written == len(frame):
+                        self._direct += 1
+                        self._written(frame)
+                        if len(self._unacked) == UNACKED_KICK and self._idle:
+                            self._wake.set()     # time to read acks (module doc, "Cost")
+                        return
+                    # Part of it is in the socket: the rest goes before anything else.
+                    self._unsent.append(frame)
+                    self._offset = written
+                    self._fallback["full"] += 1
+                    reason = None
+        except Exception:
+            self._errors += 1
+            reason = "broken"
+        finally:
+            io.release()
+        if self._thread is None:
+            self._start()        # after the frame: a thread start is not evidence
+        if reason is not None:
+            self._fall_back(frame, reason)
+        elif self._idle:
+            self._wake.set()
+
+    def _connect_and_write(self, frame: bytes) -> str | None:
+        """record() without a connection (under _io): connect without waiting and write the
+        hello and the frame. The fallback reason, or None once the frame is written or first
+        in line."""
+        if self._closed or not self._connect_locked(forced=False):
+            return "unconnected"
+        if self._queue or len(self._unsent) != 1:
+            return "behind"      # frames to send again after a lost connection: the thread's
+        self._unsent.append(frame)
+        try:
+            done = self._send()
+        except OSError:
+            self._unsent.pop()   # not a byte of it went: the sender takes it from the queue
+            return "broken"
+        if done:
+            self._direct += 1
+        else:
+            self._fallback["full"] += 1
+        return None
+
+    def _fall_back(self, frame: bytes, reason: str) -> None:
+        self._fallback[reason] += 1
+        self.emit(frame)
+
     def emit(self, event) -> None:
-        """Queue one event for sending. Never blocks on I/O, never raises.
+        """Queue one event for the sender thread. Never blocks on I/O, never raises.
 
         `event` is a finished frame (bytes, events.frame), a dict, or a tuple (builder, *args)
         for which the sender thread calls builder(*args) to get the dict or the frame.
@@ -193,48 +300,11 @@ class Emitter:
             if len(queue) >= self.max_queue or self._closed:
                 self._count_drop()
                 return
-            if type(event) is not bytes and self._deferred:
-                self._release_deferred()
             queue.append(event)
             if self._idle:
                 self._wake.set()
         except Exception:
             self._errors += 1
-
-    def _release_deferred(self) -> None:
-        # An event other than a save's own frames (job scope's "remote" and "hazard" events
-        # name a save of this process by its seq) may need the agent to know that save
-        # already: held starts go first. Under the lock, so that undefer() of a start taken
-        # here waits until it is queued (its end must come after it).
-        with self._lock:
-            deferred, queue = self._deferred, self._queue
-            for key in list(deferred):
-                start = deferred.pop(key, None)
-                if start is not None:
-                    queue.append(start)
-
-    def defer(self, key, start) -> None:
-        """A save began: `start` (as for emit) is sent only if the save is still running at
-        the sender's next turn but one; undefer(key) at its end (see module doc)."""
-        try:
-            if self._thread is None:
-                self._start()
-            deferred = self._deferred
-            if len(deferred) >= MAX_DEFERRED or self._closed:
-                self.emit(start)
-                return
-            deferred[key] = start
-            if self._idle:
-                self._wake.set()
-        except Exception:
-            self._errors += 1
-
-    def undefer(self, key) -> bool:
-        """The save `key` ended: True if its start was never sent (and now never will be)."""
-        if self._deferred.pop(key, None) is not None:
-            return True
-        with self._lock:        # a _release_deferred() that took it has queued it by now
-            return False
 
     def _count_drop(self) -> None:
         with self._lock:
@@ -251,16 +321,16 @@ class Emitter:
     # ---- control ---------------------------------------------------------------------------
 
     def _drained(self) -> bool:
-        return self._idle and not self._queue and not self._unsent and not self._deferred
+        return self._idle and not self._queue and not self._unsent
 
     def flush(self, timeout: float | None = None) -> bool:
-        """Wait until every queued event is written to the agent's socket, starts of saves
-        still running included. False on timeout or when the agent cannot be reached (then it
-        returns at once instead of waiting out the timeout)."""
+        """Wait until every queued event is written to the agent's socket. False on timeout
+        or when the agent cannot be reached (then it returns at once instead of waiting out
+        the timeout)."""
         timeout = self.flush_timeout if timeout is None else timeout
         thread = self._thread
         if thread is None or not thread.is_alive():
-            return not self._queue
+            return not self._queue and not self._unsent
         deadline = time.monotonic() + timeout
         self._unreachable = False
         self._flush_gen += 1
@@ -290,15 +360,18 @@ class Emitter:
         if thread is None or not thread.is_alive():
             # Otherwise the sender is still inside a send on this socket; closing the fd
             # under it could hand the number to another file. It closes it when it stops.
-            self._close_socket()
+            with self._io:
+                self._close_socket()
         return ok
 
     def stats(self) -> dict:
-        """Counters for tests and diagnostics."""
+        """Counters for tests and diagnostics. direct: frames record() wrote on the caller's
+        thread; fallback: record()s handed to the sender thread instead (by reason)."""
         return {"sent": self._sent, "dropped": self._dropped, "queued": len(self._queue),
                 "connected": self._sock is not None, "errors": self._errors,
                 "unacked": len(self._unacked), "resent": self._resent,
-                "unconfirmed": self._unconfirmed}
+                "unconfirmed": self._unconfirmed, "direct": self._direct,
+                "fallback": dict(self._fallback)}
 
     # ---- sender thread ---------------------------------------------------------------------
 
@@ -309,49 +382,55 @@ class Emitter:
             except Exception:
                 # A bug here must not kill the sender for good; count it and carry on.
                 self._errors += 1
-                self._connection_lost()
+                with self._io:
+                    self._connection_lost()
                 time.sleep(BACKOFF_MIN)
         if self._sock is not None:
             self._read_agent()  # what already arrived; nothing is waited for at exit
-        self._close_socket()
+        with self._io:
+            self._close_socket()
 
     def _has_work(self) -> bool:
-        return bool(self._queue or self._unsent or self._deferred
-                    or self._dropped > self._dropped_reported)
+        return bool(self._queue or self._unsent or self._dropped > self._dropped_reported)
 
     def _step(self) -> None:
         if self._sock is not None and not self._read_agent():
-            self._connection_lost()
+            with self._io:
+                self._connection_lost()
         if not self._has_work():
             self._drained_gen = self._flush_gen    # every flush() asked so far is served
             self._idle = True
             self._wake.clear()
             # Re-check after clear: an emit() between the check above and clear() saw
             # _idle False and did not set the event.
-            woken = False
             if not self._has_work() and not self._stopping:
-                woken = self._wake.wait(self._idle_wait())
+                self._wake.wait(self._idle_wait())
             self._idle = False
-            if woken:
-                self._linger()
             return
-        if self._sock is None and not self._connect():
-            self._wait_backoff()
-            return
-        self._fill()
-        try:
-            done = self._send()
-        except OSError:
+        io = self._io
+        if self._sock is None:
+            with io:
+                forced = self._flush_gen != self._forced_gen
+                self._forced_gen = self._flush_gen
+                connected = self._connect_locked(forced)
+            if not connected:
+                self._wait_backoff()
+                return
+        with io:
+            self._fill()
+            try:
+                done = self._send()
+                lost = False
+            except OSError:
+                lost = True
+        if lost:
             # The agent ended the connection (killed, restarted, or it closed us): take the
             # acknowledgements still readable, then everything unacknowledged goes again.
             self._read_agent()
-            self._connection_lost()
-            return
-        if not done:
+            with io:
+                self._connection_lost()
+        elif not done:
             self._wait_writable()
-        elif len(self._queue) < BATCH_MAX:
-            # What came in during the send is a few frames: gather more before the next.
-            self._linger()
 
     def _idle_wait(self) -> float:
         if self._sock is None:
@@ -363,29 +442,9 @@ class Emitter:
             wait = min(wait, NOTICE_POLL)
         return wait
 
-    def _linger(self) -> None:
-        # Wait LINGER before sending, so that one wake-up and one send serve many saves
-        # (module doc, "Cost"). flush() and shutdown() cut the linger short, and it is skipped
-        # while a flush waits.
-        self._wake.clear()
-        if not self._stopping and self._flush_gen == self._drained_gen:
-            self._wake.wait(LINGER)
-
     def _fill(self) -> None:
-        """Move into _unsent: starts of saves still running since the last turn (all of them
-        when a flush waits), a drop report, then queued events, built where needed."""
-        everything = self._stopping or self._flush_gen != self._drained_gen
-        deferred = self._deferred
-        if deferred:
-            # list()/tuple() of a dict of ints run in C without releasing the GIL: a snapshot.
-            keys = list(deferred) if everything else self._seen_deferred
-            for key in keys:
-                start = deferred.pop(key, None)
-                if start is not None:
-                    self._add(start)
-            self._seen_deferred = tuple(deferred)
-        else:
-            self._seen_deferred = ()
+        """Move into _unsent (under _io): a drop report, then queued events, built where
+        needed."""
         pending_drops = self._dropped - self._dropped_reported
         if pending_drops > 0:
             report = {"v": events.SCHEMA_VERSION, "type": "dropped",
@@ -407,8 +466,8 @@ class Emitter:
             self._count_drop()
 
     def _send(self) -> bool:
-        """Write what the socket takes, frames in order; True once _unsent is empty, False
-        when the socket is full. OSError: the connection is gone."""
+        """Write what the socket takes, frames in order (under _io); True once _unsent is
+        empty, False when the socket is full. OSError: the connection is gone."""
         unsent, sock = self._unsent, self._sock
         while unsent:
             first = unsent[0]
@@ -433,6 +492,7 @@ class Emitter:
         return True
 
     def _written(self, frame: bytes) -> None:
+        # Under _io.
         if type(frame) is bytes:
             self._sent += 1
         unacked = self._unacked
@@ -444,18 +504,19 @@ class Emitter:
                 self._unconfirmed += 1
 
     def _wait_writable(self) -> None:
-        # Without the GIL; flush(), shutdown() and new events do not need to cut this short:
-        # the socket is full, nothing can be sent before the agent reads.
+        # Without the GIL or _io; flush(), shutdown() and new events do not need to cut this
+        # short: the socket is full, nothing can be sent before the agent reads.
         try:
             poller = select.poll()      # poll, not select: descriptors above 1023 exist
             poller.register(self._sock, select.POLLOUT)
             poller.poll(SEND_WAIT * 1000)
-        except (OSError, ValueError):
+        except (OSError, ValueError, TypeError):
             pass
 
     def _read_agent(self) -> bool:
         """Take the acknowledgements and notices waiting on the connection. Never blocks.
-        False when the agent has ended the connection."""
+        False when the agent has ended the connection. Sender thread only: the save path
+        never closes the socket, so it is read without _io."""
         sock = self._sock
         if sock is None:
             return False
@@ -484,7 +545,8 @@ class Emitter:
     def _agent_frame(self, payload: bytes) -> None:
         kind, value = events.decode_agent_frame(payload)
         if kind == "ack":
-            self._acknowledged(value)
+            with self._io:
+                self._acknowledged(value)
         elif kind == "notice":
             handler = self.on_notice
             if handler is None:
@@ -498,7 +560,7 @@ class Emitter:
             self.notices["malformed"] += 1
 
     def _acknowledged(self, count: int) -> None:
-        """The agent has taken in the first `count` frames of this connection."""
+        """The agent has taken in the first `count` frames of this connection (under _io)."""
         self._acking = True
         unacked = self._unacked
         for _ in range(min(count - self._acked, len(unacked))):
@@ -506,7 +568,8 @@ class Emitter:
             self._acked += 1
 
     def _connection_lost(self) -> None:
-        """Close; what must go again goes first on the next connection (module doc)."""
+        """Close; what must go again goes first on the next connection (module doc). Under
+        _io."""
         if self._sock is None:
             return
         self._close_socket()
@@ -520,21 +583,22 @@ class Emitter:
         self._acked = 0
         self._acking = False
 
-    def _connect(self) -> bool:
-        forced = self._flush_gen != self._forced_gen
+    def _connect_locked(self, forced: bool) -> bool:
+        """Connect without waiting (module doc, "Connecting"), under _io: True when connected
+        (now or already), with the hello first in line."""
+        if self._sock is not None:
+            return True
         if time.monotonic() < self._next_connect and not forced:
             return False
-        self._forced_gen = self._flush_gen
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.settimeout(CONNECT_TIMEOUT)
         try:
+            sock.setblocking(False)
             path = self.socket_path or paths.find_socket()
             if path is None:
                 raise OSError("no trusted agent socket")
-            sock.connect(path)
+            sock.connect(path)      # at once, or EAGAIN: the listener's backlog is full
             if self.socket_path is None:
                 _check_peer(sock)
-            sock.setblocking(False)
         except OSError:
             sock.close()
             self._unreachable = True

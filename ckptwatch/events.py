@@ -42,9 +42,10 @@ Event object (schema version 1). Fields marked (start, end) appear in both kinds
                      start's and its end's copy of the start times as the same text)
   --- end only ---
   start_wall   float time.time() when the save began (the end event stands alone if its start
-  start_mono   float  was dropped, or never sent: the hook sends no start for a save that ends
-                      within its sending delay, ckptwatch/emitter.py, so a lone end is the
-                      usual report of a short save and the agent treats it as start + end)
+  start_mono   float  was dropped or refused, and an agent treats a lone end as start + end:
+                      hooks of an earlier release sent no start for a save that ended within
+                      their sending delay; this one sends every save's start before its first
+                      byte, ckptwatch/emitter.py)
   bytes        int|null  file size after the save (null if it could not be read)
   outcome      str   "ok", or the exception's type name (e.g. "OSError") if the save raised
   --- dropped only ---

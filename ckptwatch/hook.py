@@ -328,11 +328,11 @@ def _caller(frame):
     return None
 
 
-# The save path reports a save with two calls to the emitter (ckptwatch/emitter.py, "Cost"):
-# at its start, defer(seq, (_start_frame, pending)) -- a start the sender thread builds and
-# sends only if the save is still running a turn or two later -- and at its end one finished
-# frame, which carries the start's times, so a short save costs one frame and no start.
-# `pending` = (identity, seq, path, code, line, wall, mono).
+# The save path reports a save with two frames, each written to the agent's socket by the
+# saving thread itself (Emitter.record, ckptwatch/emitter.py): the start before torch.save runs,
+# so the save is on record before its first byte, and the end, which carries the start's times
+# too, as soon as torch.save returns or raises. A process that dies at any point leaves its
+# record in the agent's socket. `pending` = (identity, seq, path, code, line, wall, mono).
 #
 # The frames are written as JSON text from pre-encoded parts, because building a dict of 20
 # fields and json-encoding it per save cost more than the rest of the hook (issue 8, item 10):
@@ -391,7 +391,7 @@ _start_extra = ""       # ',"notices":true' under the warn policy (see want_noti
 
 def want_notices() -> None:
     """Mark every start and end event from now on as "this process reads notices"
-    (events.py): an end may be a save's only event."""
+    (events.py): an agent may learn of a save from either (its start may be refused)."""
     global _start_extra
     _start_extra = ',"notices":true'
 
@@ -437,9 +437,8 @@ def _begin(args, kwargs):
             if len(_lines) >= 4096:
                 _lines.clear()
             _lines[site] = line
-    seq = next(_seq)
-    pending = (identity(), seq, path, code, line, time.time(), time.monotonic())
-    (_emitter or _bind_emitter()).defer(seq, (_start_frame, pending))
+    pending = (identity(), next(_seq), path, code, line, time.time(), time.monotonic())
+    (_emitter or _bind_emitter()).record(_start_frame(pending))     # before the first byte
     if _jobscope is not None:
         _jobscope.started(pending)                       # job scope: a deque append
     _counters["reported"] += 1
@@ -450,8 +449,6 @@ def _finish(started, outcome: str) -> None:
     try:
         pending, fileobj = started
         wall, mono = time.time(), time.monotonic()
-        emitter = _emitter or _bind_emitter()
-        emitter.undefer(pending[1])      # True: the start was not sent; the end says it all
         if fileobj is None:
             # If another process rewrote the file meanwhile, the size is theirs; exact
             # per-writer sizes under a collision are the filesystem watcher's job.
@@ -466,7 +463,7 @@ def _finish(started, outcome: str) -> None:
                 size = None
             if not isinstance(size, int):
                 size = None
-        emitter.emit(_end_frame(pending, wall, mono, size, outcome))
+        (_emitter or _bind_emitter()).record(_end_frame(pending, wall, mono, size, outcome))
         if _jobscope is not None:
             _jobscope.ended(pending, wall, mono, outcome)   # job scope: a deque append
     except Exception:

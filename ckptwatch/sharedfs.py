@@ -17,19 +17,46 @@ MOUNTINFO = "/proc/self/mountinfo"
 MOUNTS_TTL = 60.0
 _CACHE_MAX = 4096
 
-# Network and cluster file systems: another node can write the same file.
+# Network and parallel file systems in the kernel (the type field of /proc/self/mountinfo):
+# another node can write the same file. NFS (nfs, nfs4; also AWS EFS, Filestore, Azure Files
+# NFS), SMB (cifs, smb3), Lustre (also FSx for Lustre), GPFS / Spectrum Scale, BeeGFS, CephFS
+# (ceph), WekaFS, GlusterFS, PanFS, OrangeFS, AFS, the cluster block file systems (ocfs2,
+# gfs2), a VM's host share (9p, virtiofs). docs/multihost.md lists them.
 SHARED_FSTYPES = frozenset({
     "nfs", "nfs4", "lustre", "gpfs", "ceph", "cephfs", "beegfs", "wekafs", "glusterfs",
     "cifs", "smb3", "smbfs", "9p", "panfs", "orangefs", "pvfs2", "afs", "ocfs2", "gfs2",
     "quobyte", "virtiofs", "fuse",
 })
 
+# FUSE file systems show as "fuse.<subtype>", the subtype being what the program names itself
+# (checked against each one's mount output): over a network or an object store, so shared.
+SHARED_FUSE = frozenset({
+    "sshfs", "s3fs", "gcsfuse", "blobfuse", "blobfuse2", "goofys", "mountpoint-s3",
+    "juicefs", "rclone", "ceph-fuse", "glusterfs", "alluxio-fuse", "s3backer", "s3ql",
+    "geesefs", "mfs", "lizardfs", "davfs2", "cvmfs2",
+})
+
+# FUSE file systems that live on this node only: a container's root (fuse-overlayfs, rootless
+# podman), LXC's /proc files, desktop portals, snaps and squashfs images, local overlays and
+# encryption. Taking them for shared storage would name a hazard on a correct job.
+LOCAL_FUSE = frozenset({
+    "fuse-overlayfs", "lxcfs", "portal", "snapfuse", "squashfuse", "bindfs", "encfs",
+    "gocryptfs", "cryfs", "securefs", "appimage", "archivemount", "fuse-zip", "ntfs-3g",
+})
+
 
 def is_shared_fstype(fstype: str) -> bool:
-    """nfs, lustre, ... and every FUSE file system (fuse.s3fs, fuse.juicefs, fuse.gcsfuse...):
-    a FUSE mount is most often object or network storage, and a false "shared" only costs a
-    hazard report about a path several ranks write anyway."""
-    return fstype in SHARED_FSTYPES or fstype.startswith("fuse.")
+    """The kernel's network and parallel file systems, the FUSE ones over a network or an
+    object store (SHARED_FUSE), and a FUSE file system we do not know: FUSE mounts on
+    training nodes are most often network or object storage, and a false "shared" costs a
+    hazard report about a path several ranks write anyway. The FUSE file systems known to be
+    node-local (LOCAL_FUSE) are not shared; "fuseblk" (ntfs-3g, exfat on a local disk) is
+    not FUSE-over-network either."""
+    if fstype in SHARED_FSTYPES:
+        return True
+    if fstype.startswith("fuse."):
+        return fstype[5:].lower() not in LOCAL_FUSE
+    return False
 
 
 _OCTAL = re.compile(r"\\([0-7]{3})")

@@ -10,6 +10,7 @@ touches it.
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 from collections import OrderedDict
@@ -24,6 +25,7 @@ from monitor.fs.options import ATTRIBUTIONS
 log = logging.getLogger("ckptwatch.fs")
 
 MAX_QUEUED = 100_000        # FsEvents waiting for attribution; beyond: dropped and counted
+MAX_KNOWN = 10_000          # paths whose version last due for verification is remembered
 FILE_CLOSED = "file_closed" # delivered for every finished write: verify the file
 FILE_CHANGED = "file_changed"  # delivered once per write in progress: not yet
 
@@ -73,6 +75,9 @@ class FsSource:
         self.dropped_total = 0
         self.errors_total = 0
         self._changing: set = set()   # paths modified since their last close (thread-local use)
+        # path -> the version (device, inode, size, mtime) last made due for verification
+        # (thread-local use, bounded): a read of a version nobody here wrote is verified once.
+        self._known: OrderedDict = OrderedDict()
 
     def start(self) -> None:
         if self.fan is not None:
@@ -120,6 +125,27 @@ class FsSource:
                 "errors": self.errors_total, "attribution_method": self.attribution,
                 "fanotify": self.fan.stats() if self.fan is not None else {}}
 
+    def _finished(self, path: str) -> FileNotice:
+        """A write of `path` finished here: due for verification, this version known."""
+        self._unknown(path)
+        return FileNotice(FILE_CLOSED, path)
+
+    def _unknown(self, path: str) -> bool:
+        """Is the file at `path` a version not made due for verification before? (Then it is
+        remembered as made due.) False when it cannot be looked at."""
+        try:
+            st = os.stat(path)
+        except OSError:
+            return False
+        version = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+        if self._known.get(path) == version:
+            return False
+        self._known[path] = version
+        self._known.move_to_end(path)
+        if len(self._known) > MAX_KNOWN:
+            self._known.popitem(last=False)
+        return True
+
     def _fan_event(self, ev) -> None:
         # On the fanotify reader's thread, as soon as the event is read: a writer's identity
         # comes from its environment in /proc, so read it now, before a short-lived process
@@ -158,15 +184,22 @@ class FsSource:
                         # Whoever wrote it (attributed or not: under polling a short write
                         # is over before any scan), a finished file is due for verification.
                         self._changing.discard(item.path)
-                        out = out + [FileNotice(FILE_CLOSED, item.path)]
+                        out = out + [self._finished(item.path)]
                     elif item.kind == fswatch.MOVED and item.dest:
                         # An atomic save (write elsewhere, rename into place) finishes with
                         # the rename.
-                        out = out + [FileNotice(FILE_CLOSED, item.dest)]
+                        out = out + [self._finished(item.dest)]
                     elif item.kind == fswatch.CREATED and item.size:
                         # Created with content at once: renamed in from outside the watched
                         # tree (Lightning/fsspec move a temp file in; inotify reports that as
                         # a create). A fresh open(O_CREAT) is 0 bytes and waits for its close.
+                        out = out + [self._finished(item.path)]
+                    elif (item.kind == fswatch.CLOSED_NOWRITE
+                          and item.path not in self._changing and self._unknown(item.path)):
+                        # Read here, written where no watcher of ours saw it: on a network
+                        # file system, by another node (inotify sees only this node's
+                        # writes). Verified once per version, when a process here reads it
+                        # (the verifier's own read is of the version it made due).
                         out = out + [FileNotice(FILE_CLOSED, item.path)]
                     elif item.kind == fswatch.MODIFIED and item.path not in self._changing:
                         # Being written again: no verification until the next close (once

@@ -48,6 +48,10 @@ class AgentProcess(launcher.AgentProcess):
     def _all_records(self) -> list[dict]:
         return super().journal_records()
 
+    def popen(self, argv, **kwargs) -> subprocess.Popen:
+        """A process beside the agent (wait_judged()'s senders); tests/support/hosts.py's
+        agents run theirs inside their host."""
+        return subprocess.Popen(argv, **kwargs)
 
     def wait_for_collision(self, timeout: float = 15.0, count: int = 1) -> dict:
         """Wait until the journal holds `count` collision records; return the last one."""
@@ -69,8 +73,8 @@ class AgentProcess(launcher.AgentProcess):
         and metric() leave the sentinel out; job-less metrics (events received, tracked
         paths) and verifications of job "" count it."""
         path = os.path.join(os.path.dirname(self.journal), SENTINEL_DIR, uuid.uuid4().hex)
-        with EventSender(self.socket, path, rank=0, job=SENTINEL_JOB) as a, \
-                EventSender(self.socket, path, rank=1, job=SENTINEL_JOB) as b:
+        with EventSender(self.socket, path, rank=0, job=SENTINEL_JOB, popen=self.popen) as a, \
+                EventSender(self.socket, path, rank=1, job=SENTINEL_JOB, popen=self.popen) as b:
             a.start()
             b.start()
             a.end()
@@ -155,8 +159,8 @@ class EventSender:
     """
 
     def __init__(self, socket: str, path: str, rank: int = 0, job: str = "job-e2e",
-                 node: str = "test-node"):
-        self.proc = subprocess.Popen(
+                 node: str = "test-node", popen=subprocess.Popen):
+        self.proc = popen(
             [sys.executable, "-c", _SENDER, socket, node, str(rank), job, path],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=subprocess_env())
 

@@ -12,7 +12,7 @@ import time
 def start_event(seq: int = 1, pid: int | None = None, path: str = "/ckpt/last.pt",
                 **extra) -> dict:
     """A valid start event from this process (or `pid`), stamped now; `extra` adds or
-    overrides fields. seq comes first: the emitter's deferred form is (start_event, seq)."""
+    overrides fields. seq comes first: the emitter builds (start_event, seq) itself."""
     event = {"v": 1, "type": "start", "node": "n1", "pid": os.getpid() if pid is None else pid,
              "seq": seq, "rank": 0, "path": path, "site": "train.py:10", "func": "save",
              "wall": time.time(), "mono": time.monotonic()}

@@ -1,5 +1,5 @@
-"""ckptwatch.emitter: one frame per short save, acknowledgements, resending, and whatever an
-agent may send back (the hook must survive all of it).
+"""ckptwatch.emitter: acknowledgements, resending, and whatever an agent may send back (the
+hook must survive all of it).
 
 In-process Emitters against real Unix sockets: the test Receiver (tests/support/receiver.py, acking
 like an agent when asked) or a hand-driven server socket."""
@@ -50,32 +50,6 @@ class Server:
         self.conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\1\0\0\0\0\0\0\0")
         self.conn.close()
         self.listener.close()
-
-
-def test_a_short_save_sends_no_start_and_a_long_one_sends_it_before_its_end(sock, make_emitter):
-    with Receiver(sock) as rx:
-        emitter = make_emitter(sock)
-        emitter.defer(1, start_event(1))
-        assert emitter.undefer(1) is True            # ended at once: its start never goes
-        emitter.emit(end_event(1))
-        emitter.defer(2, start_event(2))
-        # Still running two sender turns later: the start goes, while the save runs.
-        rx.wait_count("start", 1, timeout=5)
-        assert emitter.undefer(2) is False
-        emitter.emit(end_event(2))
-        rx.wait_count("end", 2)
-        assert [(e["type"], e["seq"]) for e in rx.events] == [("end", 1), ("start", 2),
-                                                               ("end", 2)]
-
-
-def test_flush_sends_the_start_of_a_save_still_running(sock, make_emitter):
-    # At exit the sender must not keep a start back: the save may never end.
-    with Receiver(sock) as rx:
-        emitter = make_emitter(sock)
-        emitter.defer(7, start_event(7))
-        assert emitter.flush(5.0)
-        assert [(e["type"], e["seq"]) for e in rx.wait_count("start", 1)] == [("start", 7)]
-        assert emitter.undefer(7) is False
 
 
 def test_every_connection_opens_with_a_hello_asking_for_acks(sock, make_emitter):
@@ -179,17 +153,3 @@ def test_whatever_the_agent_sends_the_hook_carries_on(sock, make_emitter, garbag
     stats = emitter.stats()
     assert stats["errors"] == 0 and stats["unacked"] >= 0
     server.drop()
-
-
-def test_a_job_scope_event_goes_after_the_start_of_the_save_it_names(sock, make_emitter):
-    # Job scope's "remote" and "hazard" events name a save of this process by its seq: the
-    # agent takes them only for a save it already knows, so a held start goes out first.
-    with Receiver(sock) as rx:
-        emitter = make_emitter(sock)
-        emitter.defer(3, start_event(3))
-        emitter.emit({"v": 1, "type": "jobscope", "node": "test-node", "pid": os.getpid(),
-                      "state": "active", "wall": time.time()})
-        assert emitter.undefer(3) is False
-        emitter.emit(end_event(3))
-        rx.wait_count("end", 1)
-        assert [e["type"] for e in rx.events] == ["start", "jobscope", "end"]

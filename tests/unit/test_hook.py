@@ -266,17 +266,59 @@ def test_agent_absent_save_succeeds_without_waiting(workdir, sockdir):
             t0 = time.monotonic()
             torch.save(i, "x.pt")
             slowest = max(slowest, time.monotonic() - t0)
+        stats = get_emitter().stats()
         print(json.dumps({"slowest": slowest, "loaded": torch.load("x.pt"),
-                          "queued": get_emitter().stats()["queued"]}))
+                          "queued": stats["queued"], "direct": stats["direct"],
+                          "unconnected": stats["fallback"]["unconnected"]}))
         """, missing, CKPTWATCH_FLUSH_TIMEOUT="30")
     assert result["loaded"] == 19
-    # Kept for when the agent comes back: one frame per save, the end (no start is sent for
-    # a save that has ended, and none is sent while there is no connection).
-    assert result["queued"] == 20
+    # Kept for when the agent comes back: both frames of every save, none written.
+    assert result["queued"] == 40 and result["direct"] == 0
+    assert result["unconnected"] == 40
     # Loose bounds only: no save waits for a connect (2 s socket timeout), and exit does not
     # wait out the 30 s flush timeout when nobody listens.
     assert result["slowest"] < 1.0
     assert time.monotonic() - started < 25
+
+
+def test_the_start_is_in_the_agents_socket_before_the_first_byte(workdir, sockdir):
+    # Issue 16 item 2. The child is its own agent: inside torch.save, when the pickler reaches
+    # the probe (the file is open and still empty), the save's start must already be readable
+    # on the socket, and its end the moment torch.save returns -- so a process killed at any
+    # point has left its record. (It failed on the code that held a short save's start back.)
+    result = run_script(workdir, """
+        import json, os, socket, torch, ckptwatch
+        from ckptwatch import events
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(os.environ["CKPTWATCH_SOCKET"])
+        listener.listen(1)
+        listener.setblocking(False)
+        ckptwatch.install()
+        reader, conns = events.FrameReader(), []
+
+        def in_the_socket():
+            try:
+                if not conns:
+                    conns.append(listener.accept()[0])
+                    conns[0].setblocking(False)
+                got = []
+                while True:
+                    got += [json.loads(p)["type"] for p in reader.feed(conns[0].recv(65536))]
+            except BlockingIOError:
+                return got
+
+        seen = {}
+        class Probe:
+            def __reduce__(self):
+                seen["inside"] = in_the_socket()
+                seen["bytes_inside"] = os.path.getsize("ckpt.pt")
+                return (int, ())
+
+        torch.save({"w": torch.zeros(4), "probe": Probe()}, "ckpt.pt")
+        seen["after"] = in_the_socket()
+        print(json.dumps(seen))
+        """, os.path.join(sockdir, "own.sock"))
+    assert result == {"inside": ["hello", "start"], "bytes_inside": 0, "after": ["end"]}
 
 
 def test_agent_restarted_mid_run(sock, workdir):

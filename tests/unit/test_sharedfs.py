@@ -45,6 +45,33 @@ def test_fstypes():
     assert not any(map(is_shared_fstype, ("ext4", "xfs", "tmpfs", "overlay")))
 
 
+# The types as /proc/self/mountinfo shows them for the network and object-store file systems
+# docs/multihost.md lists (fuse.sshfs seen on the test hosts, tests/e2e/test_multihost.py).
+NETWORK_TYPES = ("nfs", "nfs4", "cifs", "smb3", "lustre", "gpfs", "beegfs", "ceph",
+                 "fuse.sshfs", "fuse.s3fs", "fuse.gcsfuse", "fuse.blobfuse2", "fuse.goofys",
+                 "fuse.mountpoint-s3", "fuse.juicefs", "fuse.rclone", "fuse.ceph-fuse")
+# Node-local FUSE: a rootless container's root, LXC's /proc files, a desktop portal, a snap.
+LOCAL_TYPES = ("fuse.fuse-overlayfs", "fuse.lxcfs", "fuse.portal", "fuse.snapfuse",
+               "fuse.squashfuse", "fuse.gocryptfs", "fuseblk")
+
+
+def test_network_and_object_store_mounts_are_shared_and_named(tmp_path):
+    lines = [f"{40 + i} 22 0:{60 + i} / /mnt/m{i} rw - {fstype} src rw"
+             for i, fstype in enumerate(NETWORK_TYPES + LOCAL_TYPES)]
+    table = tmp_path / "mountinfo"
+    table.write_text(MOUNTINFO + "\n".join(lines) + "\n")
+    s = SharedPaths({}, mountinfo=str(table))
+    for i, fstype in enumerate(NETWORK_TYPES):
+        assert s.shared(f"/mnt/m{i}/ckpt/last.pt") == f"mount:{fstype}"
+    for i, fstype in enumerate(LOCAL_TYPES, start=len(NETWORK_TYPES)):
+        assert s.shared(f"/mnt/m{i}/ckpt/last.pt") is None, fstype
+
+
+def test_an_unknown_fuse_file_system_counts_as_shared():
+    # Most FUSE mounts on training nodes are network or object storage (docs/multihost.md).
+    assert is_shared_fstype("fuse.somethingnew") and is_shared_fstype("fuse")
+
+
 def test_names_rank_or_node_looks_at_whole_numbers_in_the_last_two_components():
     assert names_rank_or_node("/ckpt/rank2/last.pt", 2, "node-b")
     assert names_rank_or_node("/ckpt/last-rank2.pt", 2, "node-b")
