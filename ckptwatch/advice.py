@@ -18,3 +18,14 @@ LOCAL_RANK_NOTE = ("note LOCAL_RANK == 0 is one writer per node, still colliding
 JOBS_FIX = ("different jobs (or restarts) write this path: give each job its own output "
             "directory")
 PROCESS_FIX = "make only one process write this path, or give each process its own path"
+
+# `ckptwatch diagnose`: what to do about a checkpoint that failed to load.
+RESUME_FIX = ("do not resume from this file: resume from the previous checkpoint, and check "
+              "the others with `ckptwatch scan --deep DIR`")
+NO_RECORD_FIX = ("no collision on record for this file: run the job under an agent "
+                 "(`ckptwatch run -- ...`, or `ckptwatch check -- ...` in CI) to see who writes "
+                 "it; a save that died or a full disk also cuts a file short")
+STAGING_FIX = ("save each checkpoint from one process: with transformers' Trainer on shared "
+               "storage keep save_on_each_node=False, and do not call save_model from every "
+               "rank")
+OWNER_FIX = ("another user or job wrote this file: give each job its own output directory")

@@ -1,10 +1,13 @@
-"""The one-line WARNING messages the agent logs for each collision and finding.
+"""The WARNING lines the agent logs for each collision and finding.
 
-One line per collision, greppable, naming what a person needs to act: the path, who wrote it
-(rank@node and pid, in start order), how long the writes overlapped and the call sites; one
-line per size fluctuation, torn read and corrupt checkpoint. Values come from training
-processes and file names, so control characters are escaped: a path with a newline must not
-forge a second log line. `LogExporter` logs them (exporters.fanout.Exporter).
+One line per collision, naming what a person needs to act: the path, who wrote it (rank@node
+and pid, in start order), how long the writes overlapped and the call sites; one line per size
+fluctuation, torn read, corrupt checkpoint and hazard. The msg is a fixed text per kind of
+event ("concurrent write collision", "corrupt checkpoint", ...) and everything else is a field
+of its own (path=..., training_job=..., id=...: monitor.agent.logformat writes them), so a log
+query selects by path or job without parsing sentences. `LogExporter` logs them
+(exporters.fanout.Exporter). `clean` escapes control characters for one-line output: values
+come from training processes and file names, and must not forge a second line.
 """
 from __future__ import annotations
 
@@ -49,61 +52,54 @@ def call_sites(collision: Collision) -> list[str]:
     return list(sites)
 
 
-def collision_message(c: Collision) -> str:
-    """One line for a WARNING log, e.g.
-
-    concurrent write collision on /ckpt/last.pt: 4 writers rank0@n1(pid 11), rank1@n1(pid 12),
-    ... overlapping 0.84s; call sites: train.py:42 (save_checkpoint); job j1; id 3f2a...
-    """
+def collision_fields(c: Collision) -> dict:
+    """The fields of a collision's log line (monitor.agent.logformat puts them after msg), e.g.
+    kind=concurrent path=/ckpt/last.pt writers=4 who="rank0@n1(pid 11),..." overlap_seconds=0.84
+    call_sites="train.py:42 (save_checkpoint)" training_job=j1 scope=node id=3f2a..."""
     writers = c.writers
     names = [writer_name(w) for w in writers[:MAX_WRITERS_LISTED]]
     if len(writers) > MAX_WRITERS_LISTED:
         names.append(f"and {len(writers) - MAX_WRITERS_LISTED} more")
+    fields = {"kind": c.kind, "path": c.path, "writers": len(writers), "who": names}
     if c.kind == KIND_CONCURRENT:
-        timing = f"overlapping {c.overlap_seconds:.2f}s"
+        fields["overlap_seconds"] = f"{c.overlap_seconds:.2f}"
     else:
         first, last = c.first, c.last
         end = last.end_mono if last.end_mono is not None else last.start_mono
-        timing = f"one after another over {max(0.0, end - first.start_mono):.2f}s"
-    sites = call_sites(c)
-    parts = [f"{clean(c.kind)} write collision on {clean(c.path)}: {len(writers)} writers "
-             f"{', '.join(names)} {timing}",
-             f"call sites: {', '.join(sites) if sites else 'unknown'}"]
-    if c.job_label:
-        parts.append(f"job {clean(c.job_label)}")
+        fields["span_seconds"] = f"{max(0.0, end - first.start_mono):.2f}"
+    fields["call_sites"] = call_sites(c) or "unknown"
+    fields["training_job"] = c.job_label
+    fields["scope"] = c.scope
     if c.scope != "node":
-        parts.append(f"scope {clean(c.scope)}")
         reporters = sorted({w.reporter for w in c.writes if w.reporter is not None})
         if reporters:
             # Other nodes' writes are the word of the local processes that learnt them.
-            parts.append("other nodes' writes reported by pid "
-                         + ", ".join(str(p) for p in reporters[:MAX_WRITERS_LISTED]))
-    if c.id:
-        parts.append(f"id {clean(c.id)}")
-    return "; ".join(parts)
+            fields["reported_by_pid"] = reporters[:MAX_WRITERS_LISTED]
+    fields["id"] = c.id
+    return fields
 
 
-def _finding_writers(finding: Finding) -> str:
-    """rank0(11), pid(12): the writers a finding names, as the agent has always logged them."""
-    return ", ".join(f"{'rank%s' % w['rank'] if w.get('rank') is not None else 'pid'}"
-                     f"({w.get('pid')})" for w in finding.writers)
+def _finding_writers(finding: Finding) -> list:
+    """["rank0(11)", "pid(12)"]: the writers a finding names, as the agent has always
+    logged them."""
+    return [f"{'rank%s' % w['rank'] if w.get('rank') is not None else 'pid'}({w.get('pid')})"
+            for w in finding.writers[:MAX_WRITERS_LISTED]]
 
 
-def finding_message(f: Finding) -> str | None:
-    """One line for a WARNING log, or None for a finding not worth one (a verification that
-    found nothing wrong: it is counted only)."""
-    path = clean(f.path)
+def finding_fields(f: Finding) -> tuple[str, dict] | None:
+    """The msg and fields of a finding's log line, or None for a finding not worth one (a
+    verification that found nothing wrong: it is counted only)."""
     if f.kind == FINDING_SIZE_FLUCTUATION:
-        who = clean(_finding_writers(f))
-        if f.get("rule"):
-            return (f"size fluctuation on {path}: {clean(f.get('rule'))} "
-                    f"({f.get('size_before')} then {f.get('size_after')} bytes) by {who}")
-        return (f"size fluctuation on {path}: shrank from {f.get('size_before')} to "
-                f"{f.get('size_after')} bytes while written by {who}")
+        fields = {"path": f.path, "training_job": f.job,
+                  "rule": f.get("rule") or "shrank while open for writing by two writers",
+                  "size_before": f.get("size_before"), "size_after": f.get("size_after"),
+                  "writers": _finding_writers(f)}
+        return "size fluctuation", fields
     if f.kind == FINDING_TORN_READ:
         reader = f.get("reader") or {}
-        return (f"torn read of {path}: pid {reader.get('pid', '?')} opened it for reading "
-                f"while {clean(_finding_writers(f))} wrote it")
+        return "torn read", {"path": f.path, "training_job": f.job,
+                             "reader_pid": reader.get("pid", "?"),
+                             "writers": _finding_writers(f)}
     if f.kind == FINDING_VERIFICATION:
         if f.get("result") == "ok" and f.get("pickle") == "full_unpickle":
             names = ", ".join(clean(n) for n in f.get("refused_globals") or ())
@@ -111,13 +107,12 @@ def finding_message(f: Finding) -> str | None:
                     f"({names}): loading it with weights_only=False would call them")
         if f.get("result") != "corrupt":
             return None
-        by = f" (written by collision {clean(f.get('collision_id'))})" \
-            if f.get("collision_id") else ""
-        return (f"corrupt checkpoint {path}: {clean(f.get('reason'))} "
-                f"[{clean(f.get('cause'))}]{by}")
+        return "corrupt checkpoint", {"path": f.path, "training_job": f.job,
+                                      "reason": f.get("reason"), "cause": f.get("cause"),
+                                      "collision_id": f.get("collision_id") or ""}
     if f.kind == FINDING_HAZARD:
-        return hazard_message(f)
-    return f"{clean(f.kind)} on {path}"
+        return "checkpoint hazard", hazard_fields(f)
+    return f.kind, {"path": f.path, "training_job": f.job}
 
 
 HAZARD_TEXT = {
@@ -128,23 +123,22 @@ HAZARD_TEXT = {
 }
 
 
-def hazard_message(f: Finding) -> str:
-    """e.g. hazard local_rank_guard on /ckpt/last.pt (shared: mount:nfs4): ...; by rank2@n2
-    (pid 11) at train.py:42; ranks 0, 2; job j1"""
+def hazard_fields(f: Finding) -> dict:
+    """e.g. hazard=local_rank_guard path=/ckpt/last.pt shared=mount:nfs4 what="..."
+    writer="rank2@n2(pid 11)" site=train.py:42 ranks=0,2 training_job=j1"""
     writer = f.writers[0] if f.writers else {}
-    who = (f"rank{writer.get('rank')}@{clean(writer.get('node'))}(pid {writer.get('pid')})"
+    who = (f"rank{writer.get('rank')}@{writer.get('node')}(pid {writer.get('pid')})"
            if writer.get("rank") is not None else f"pid {writer.get('pid')}")
     kind = f.get("hazard") or "?"
-    text = (f"hazard {clean(kind)} on {clean(f.path)} (shared: {clean(f.get('shared'))}): "
-            f"{HAZARD_TEXT.get(kind, clean(kind))}; by {who}")
+    fields = {"hazard": kind, "path": f.path, "shared": f.get("shared"),
+              "what": HAZARD_TEXT.get(kind, kind), "writer": who}
     if writer.get("site"):
-        text += f" at {clean(writer['site'])}"
+        fields["site"] = writer["site"]
     ranks = f.get("ranks") or []
     if ranks:
-        text += "; ranks " + ", ".join(str(r) for r in ranks[:MAX_WRITERS_LISTED])
-    if f.job:
-        text += f"; job {clean(f.job)}"
-    return text
+        fields["ranks"] = [str(r) for r in ranks[:MAX_WRITERS_LISTED]]
+    fields["training_job"] = f.job
+    return fields
 
 
 class LogExporter:
@@ -156,14 +150,15 @@ class LogExporter:
 
     def publish_collision(self, collision: Collision) -> None:
         try:
-            log.warning("%s", collision_message(collision))
+            log.warning("%s write collision", collision.kind,
+                        extra={"fields": collision_fields(collision)})
         except Exception:
             log.exception("cannot format collision on %r", collision.path)
 
     def publish_finding(self, finding: Finding) -> None:
-        message = finding_message(finding)
-        if message is not None:
-            log.warning("%s", message)
+        line = finding_fields(finding)
+        if line is not None:
+            log.warning("%s", line[0], extra={"fields": line[1]})
 
     def flush(self) -> None:
         pass

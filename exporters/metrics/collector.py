@@ -93,6 +93,18 @@ class StateCollector:
                      "Unix time of the latest collision of a job, by kind and scope.",
                      ["training_job", "kind", "scope"], s.last_collision, unit="seconds")
 
+        yield family(GaugeMetricFamily, "ckptwatch_last_collision_verification",
+                     "What the agent found in the file the latest collision of a job (by kind "
+                     "and scope) left; the value is always 1. result: pending (not verified "
+                     "yet), ok, corrupt, unverifiable, gone (renamed or deleted before it was "
+                     "read) or off (verification disabled).",
+                     ["training_job", "kind", "scope", "result"], s.last_collision_verdict)
+
+        yield family(GaugeMetricFamily, "ckptwatch_last_corrupt_checkpoint_timestamp_seconds",
+                     "Unix time the agent last found a finished checkpoint of a job corrupt, "
+                     "by reason (as ckptwatch_corrupt_checkpoints_total).",
+                     ["training_job", "reason"], s.last_corrupt, unit="seconds")
+
         yield CounterMetricFamily("ckptwatch_events_received",
                                   "Valid events received from instrumented processes.",
                                   value=s.events_received)

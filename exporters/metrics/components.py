@@ -229,3 +229,8 @@ def _fs_families(fs: Mapping):
     yield CounterMetricFamily("ckptwatch_attribution_errors",
                               "Process scans that failed.",
                               value=fs.get("attribution_errors", 0))
+    yield CounterMetricFamily("ckptwatch_attribution_denied",
+                              "Processes whose open files or environment the kernel would not "
+                              "let the agent read (another user's, without CAP_SYS_PTRACE): "
+                              "their writes of watched files are not attributed.",
+                              value=fs.get("attribution_denied", 0))

@@ -20,7 +20,10 @@ class MetricsExporter:
 
     def publish_finding(self, finding: Finding) -> None:
         if finding.kind == FINDING_VERIFICATION:
-            self.state.verification(finding.get("result"), finding.get("cause") or "")
+            self.state.verification(finding.get("result"), finding.get("cause") or "",
+                                    job=finding.job, path=finding.path,
+                                    collision_id=finding.get("collision_id") or "",
+                                    wall=finding.wall)
         elif finding.kind == FINDING_HAZARD:
             self.state.hazard(finding.job, finding.get("hazard"))
         else:

@@ -1,8 +1,16 @@
 """Listen addresses for the metrics port (--web.listen-address), as node_exporter spells
-them. A module of its own so the agent's flag validation needs no HTTP server."""
+them, and the URL paths the server keeps for itself. A module of its own so the agent's flag
+validation needs no HTTP server."""
 from __future__ import annotations
 
 import ipaddress
+
+# Health endpoints, open to probes (a kubelet cannot send basic auth): the route -> which check.
+# /-/healthy and /-/ready are Prometheus' own names (exporters.health says what each means);
+# /healthz is the readiness check under its older name, kept for existing probes.
+HEALTH_ROUTES = {"/-/healthy": "healthy", "/-/ready": "ready", "/healthz": "ready"}
+# Paths --web.telemetry-path may not take: the index page and the health endpoints.
+RESERVED_PATHS = ("/", *HEALTH_ROUTES)
 
 
 def parse_listen_address(text: str) -> tuple[str, int]:

@@ -1,6 +1,8 @@
-"""MetricsServer: serves a registry on /metrics (or --web.telemetry-path), /healthz and an
-index page at /, over TLS and behind basic auth when the web config says so, from a bounded
-set of handler threads. It counts the connections it closes early (drops(), read by
+"""MetricsServer: serves a registry on /metrics (or --web.telemetry-path), the health
+endpoints (/-/healthy, /-/ready as Prometheus has them, and /healthz) and an index page at /,
+over TLS and behind basic auth when the web config says so, from a bounded set of handler
+threads. Every GET endpoint also answers HEAD (the same status and headers, no body). It
+counts the connections it closes early (drops(), read by
 exporters.metrics.components.HttpCollector)."""
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import choose_encoder
 
 from ckptwatch.version import __version__
-from exporters.metrics.listen import parse_listen_address
+from exporters.metrics.listen import HEALTH_ROUTES, RESERVED_PATHS, parse_listen_address
 from exporters.webconfig import BasicAuth, WebConfig
 
 log = logging.getLogger(__name__)
@@ -208,6 +210,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     # write (StreamRequestHandler applies it), so an idle or slow client cannot hold a thread.
     registry: CollectorRegistry
     health: Callable[[], tuple[bool, str]]
+    healthy: Callable[[], tuple[bool, str]]
     auth: BasicAuth = BasicAuth({})
     telemetry_path = "/metrics"
     timeout = 10.0
@@ -252,10 +255,10 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     def do_GET(self):  # noqa: N802 (http.server's naming)
         route = urlsplit(self.path).path
         authorized = self.auth.check(self.headers.get("Authorization"))
-        if route == "/healthz":
-            # Open to probes (a kubelet cannot send basic auth), but without the reason
-            # unless authorized: it may name paths.
-            self._healthz(detail=authorized)
+        if route in HEALTH_ROUTES:
+            # Open to probes, but without the reason unless authorized: it may name paths.
+            check = self.healthy if HEALTH_ROUTES[route] == "healthy" else self.health
+            self._healthz(check, detail=authorized)
         elif not authorized:
             self._reply(401, b"Unauthorized\n", "text/plain; charset=utf-8",
                         {"WWW-Authenticate": 'Basic realm="ckptwatch", charset="UTF-8"'})
@@ -266,6 +269,11 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         else:
             self._reply(404, b"not found\n", "text/plain; charset=utf-8")
 
+    def do_HEAD(self):  # noqa: N802 (http.server's naming)
+        # The same answer as GET without the body (_reply leaves it out): what a load
+        # balancer's or uptime checker's HEAD probe expects, instead of http.server's 501.
+        self.do_GET()
+
     def _index(self):
         # A landing page as node_exporter has: what this is and where the metrics are.
         path = html.escape(self.telemetry_path, quote=True)
@@ -275,7 +283,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 f"<p>Runtime write-collision monitor for torch.save checkpoints, version "
                 f"{html.escape(__version__)}.</p>\n<ul>\n"
                 f"<li><a href=\"{path}\">Metrics</a> ({path})</li>\n"
-                f"<li><a href=\"/healthz\">Health</a> (/healthz)</li>\n"
+                f"<li><a href=\"/-/healthy\">Healthy</a> (/-/healthy: alive)</li>\n"
+                f"<li><a href=\"/-/ready\">Ready</a> (/-/ready: started and keeping "
+                f"up; also /healthz)</li>\n"
                 f"</ul>\n</body></html>\n").encode()
         self._reply(200, body, "text/html; charset=utf-8")
 
@@ -295,9 +305,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         else:
             self._reply(200, body, content_type, {"Vary": "Accept-Encoding"})
 
-    def _healthz(self, detail: bool = True):
+    def _healthz(self, check: Callable[[], tuple[bool, str]], detail: bool = True):
         try:
-            ok, reason = self.health()
+            ok, reason = check()
         except Exception as exc:
             ok, reason = False, f"health check raised {type(exc).__name__}: {exc}"
         if ok:
@@ -316,7 +326,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self.send_header(name, text)
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
-        self.wfile.write(body)
+        if self.command != "HEAD":
+            self.wfile.write(body)
 
     def log_message(self, format, *args):  # noqa: A002 (signature from http.server)
         # Scrapes every 15 s would flood the agent log; keep them at debug level.
@@ -324,13 +335,14 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
 
 class MetricsServer:
-    """Serves the metrics (telemetry_path, default /metrics), /healthz and an index page at /
-    from a daemon thread; over TLS and behind basic auth when web_config says so
-    (exporters.webconfig; /healthz stays open to probes).
+    """Serves the metrics (telemetry_path, default /metrics), /-/healthy, /-/ready, /healthz
+    and an index page at / from a daemon thread, GET and HEAD; over TLS and behind basic auth
+    when web_config says so (exporters.webconfig; the health endpoints stay open to probes).
 
     address: ":19400", "127.0.0.1:19400", "[::1]:19400", "host:0" (0 = an ephemeral port;
     read .port after start()). A malformed address raises ValueError here, before start(), so
-    the agent reports it with the other configuration errors. health() returns (ok, reason).
+    the agent reports it with the other configuration errors. health() (/-/ready, /healthz)
+    and healthy() (/-/healthy; default: the server answers) return (ok, reason).
     Connections closed early are counted by reason (drops()) and also handed to on_dropped.
     """
 
@@ -338,13 +350,14 @@ class MetricsServer:
                  health: Callable[[], tuple[bool, str]] = lambda: (True, ""),
                  timeout: float = 10.0, max_handlers: int = 16, head_timeout: float = 10.0,
                  on_dropped: Callable[[str], None] | None = None,
-                 web_config: WebConfig | None = None, telemetry_path: str = "/metrics"):
+                 web_config: WebConfig | None = None, telemetry_path: str = "/metrics",
+                 healthy: Callable[[], tuple[bool, str]] = lambda: (True, "")):
         if timeout <= 0 or max_handlers < 1 or head_timeout <= 0:
             raise ValueError(f"need timeout > 0, head_timeout > 0 and max_handlers >= 1, got "
                              f"{timeout}, {head_timeout}, {max_handlers}")
-        if not telemetry_path.startswith("/") or telemetry_path in ("/", "/healthz"):
+        if not telemetry_path.startswith("/") or telemetry_path in RESERVED_PATHS:
             raise ValueError(f"telemetry path {telemetry_path!r}: must start with / and be "
-                             "neither / nor /healthz")
+                             f"none of {', '.join(RESERVED_PATHS)}")
         self.web_config = web_config or WebConfig()
         self.telemetry_path = telemetry_path
         self.timeout, self.max_handlers, self._on_dropped = timeout, max_handlers, on_dropped
@@ -353,6 +366,7 @@ class MetricsServer:
         self.address = address
         self._registry = registry
         self._health = health
+        self._healthy = healthy
         self._server: http.server.ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
@@ -381,6 +395,7 @@ class MetricsServer:
                 return
             handler = type("Handler", (_Handler,),
                            {"registry": self._registry, "health": staticmethod(self._health),
+                            "healthy": staticmethod(self._healthy),
                             "timeout": self.timeout,
                             "auth": BasicAuth(self.web_config.users),
                             "telemetry_path": self.telemetry_path})

@@ -11,6 +11,7 @@ from __future__ import annotations
 import bisect
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Callable, Iterable, Mapping
@@ -26,6 +27,15 @@ INPUT_LABELS = ("training_job", "rank")
 # storage (minutes); the buckets cover 1 ms .. 10 min with roughly 2-3x steps.
 DURATION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
                     10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+
+# The verdict on the file a job's latest collision left, besides the verifier's own results
+# (ok, corrupt, unverifiable, gone): not verified yet, or never (verification is off).
+VERDICT_PENDING = "pending"
+VERDICT_OFF = "off"
+# Verdicts remembered by path, for a collision published after its file was verified (a
+# job-scope collision settles after the verifier's quiet period): paths stay in memory, never
+# in a label.
+MAX_RECENT_VERDICTS = 1024
 
 
 @dataclass(frozen=True)
@@ -49,6 +59,9 @@ class MetricsSnapshot:
     active_writes: Mapping[str, int]                   # job -> writes in flight
     collisions: Mapping[tuple[str, str, str, str], int]  # (job, kind, scope, source) -> n
     last_collision: Mapping[tuple[str, str, str], float]  # (job, kind, scope) -> wall time
+    # (job, kind, scope, verdict) -> 1: the verdict on the file the latest collision left
+    last_collision_verdict: Mapping[tuple[str, str, str, str], int]
+    last_corrupt: Mapping[tuple[str, str], float]     # (job, cause) -> wall time
     events_received: int
     events_rejected: Mapping[str, int]                 # reason -> rejected inputs
     client_events_dropped: int
@@ -68,11 +81,21 @@ def _format_bound(bound: float) -> str:
     return repr(float(bound))
 
 
+class _CollisionFile:
+    """The file a job's latest collision (of a kind and scope) left, and the verdict on it."""
+
+    __slots__ = ("id", "path", "ended", "verdict")
+
+    def __init__(self, collision_id: str, path: str, ended: float, verdict: str):
+        self.id, self.path, self.ended, self.verdict = collision_id, path, ended, verdict
+
+
 class _JobSeries:
     """Every per-job series of one training_job label value, so expiring a job is one delete."""
 
     __slots__ = ("writes", "errors", "bytes", "duration_counts", "duration_sum", "collisions",
-                 "last_collision", "fluctuations", "torn_reads", "hazards", "job_scope")
+                 "last_collision", "collision_file", "last_corrupt", "fluctuations",
+                 "torn_reads", "hazards", "job_scope")
 
     def __init__(self):
         self.writes: dict[str, int] = {}                 # rank label value -> finished writes
@@ -84,6 +107,10 @@ class _JobSeries:
         # (kind, scope) -> wall time of the latest: alerts compare it with time(), which no
         # scrape gap or Prometheus restart can make look new again (a counter's birth can).
         self.last_collision: dict[tuple[str, str], float] = {}
+        # (kind, scope) -> the file its latest collision left: the alerts' text says whether
+        # the agent found it whole, corrupt or has not verified it yet.
+        self.collision_file: dict[tuple[str, str], _CollisionFile] = {}
+        self.last_corrupt: dict[str, float] = {}         # cause -> wall time of the latest
         self.fluctuations = 0
         self.torn_reads = 0
         self.hazards: dict[str, int] = {}                 # hazard kind -> n
@@ -105,13 +132,15 @@ class MetricsState:
 
     verify_results and corrupt_causes are the label values of verification findings, exported
     at 0 before the first; they are monitor.verify's vocabulary, handed in by the agent that
-    builds this (exporters import no monitor module but monitor.detect.model).
+    builds this (exporters import no monitor module but monitor.detect.model). verify_enabled
+    False: collisions' files are never verified (their verdict is "off", not "pending").
     """
 
     def __init__(self, duration_buckets: tuple[float, ...] = DURATION_BUCKETS,
                  limits: LabelLimits = LabelLimits(),
                  clock: Callable[[], float] = time.monotonic,
-                 verify_results: Iterable[str] = (), corrupt_causes: Iterable[str] = ()):
+                 verify_results: Iterable[str] = (), corrupt_causes: Iterable[str] = (),
+                 verify_enabled: bool = True):
         self._lock = threading.Lock()
         self._bounds = tuple(sorted(float(b) for b in duration_buckets))
         self._limits = limits
@@ -133,6 +162,8 @@ class MetricsState:
         # Bounded label sets, present from the start (see _rejected above).
         self._verifications: dict[str, int] = {r: 0 for r in verify_results}
         self._corrupt: dict[str, int] = {c: 0 for c in corrupt_causes}
+        self._first_verdict = VERDICT_PENDING if verify_enabled else VERDICT_OFF
+        self._recent_verdicts: OrderedDict[str, tuple[str, float]] = OrderedDict()
 
     # -- bounded label values (call with the lock held) ------------------------------------
 
@@ -215,9 +246,17 @@ class MetricsState:
             series = self._series(self._job_label(c.job_label, self._clock()))
             key = (c.kind, c.scope, collision_source(c))
             series.collisions[key] = series.collisions.get(key, 0) + 1
-            when = c.detected_wall or max((w.end_wall or w.start_wall) for w in c.writes)
-            series.last_collision[(c.kind, c.scope)] = max(
-                when, series.last_collision.get((c.kind, c.scope), 0.0))
+            ended = max((w.end_wall or w.start_wall) for w in c.writes)
+            when = c.detected_wall or ended
+            latest = series.last_collision.get((c.kind, c.scope), 0.0)
+            series.last_collision[(c.kind, c.scope)] = max(when, latest)
+            if when >= latest:
+                verdict = self._first_verdict
+                recent = self._recent_verdicts.get(c.path)
+                if recent is not None and recent[1] >= ended:
+                    verdict = recent[0]           # verified after its writes, before now
+                series.collision_file[(c.kind, c.scope)] = _CollisionFile(
+                    c.id, c.path, ended, verdict)
 
     def set_active_writes(self, by_job: dict[str, int]) -> None:
         """Replace the in-flight write counts; jobs absent from by_job drop out of the gauge.
@@ -258,13 +297,36 @@ class MetricsState:
             series = self._series(self._job_label(job, self._clock()))
             series.job_scope[state] = series.job_scope.get(state, 0) + 1
 
-    def verification(self, result: str, cause: str = "") -> None:
+    def verification(self, result: str, cause: str = "", job: str = "",
+                     path: str | None = None, collision_id: str = "",
+                     wall: float | None = None) -> None:
         """One finished checkpoint verified: result ok|corrupt|unverifiable|gone; cause is
-        the bounded corruption category (monitor.verify.integrity.CAUSES) for corrupt files."""
+        the bounded corruption category (monitor.verify.integrity.CAUSES) for corrupt files.
+        job (its last writer's), path, collision_id (the collision that wrote it, if the
+        verifier knew) and wall (when) tie the verdict to a collision: it becomes the verdict
+        of a latest collision that wrote that file and has none yet."""
         with self._lock:
             self._verifications[result] = self._verifications.get(result, 0) + 1
             if cause:
                 self._corrupt[cause] = self._corrupt.get(cause, 0) + 1
+            when = time.time() if wall is None else wall
+            if result == "corrupt" and cause:
+                series = self._series(self._job_label(job, self._clock()))
+                series.last_corrupt[cause] = max(when, series.last_corrupt.get(cause, 0.0))
+            if path is None:
+                return
+            self._recent_verdicts.pop(path, None)
+            self._recent_verdicts[path] = (result, when)
+            if len(self._recent_verdicts) > MAX_RECENT_VERDICTS:
+                self._recent_verdicts.popitem(last=False)
+            # The first verdict after a collision is what it left; a later one is of a later
+            # save of the same path (unless the verifier names this collision).
+            for series in self._jobs.values():
+                for entry in series.collision_file.values():
+                    if (collision_id and entry.id == collision_id) or (
+                            entry.path == path and entry.verdict == VERDICT_PENDING
+                            and when >= entry.ended):
+                        entry.verdict = result
 
     # -- reading ---------------------------------------------------------------------------
 
@@ -274,7 +336,7 @@ class MetricsState:
             self._expire(self._clock())
             writes, errors, nbytes, histograms = {}, {}, {}, {}
             collisions, last_collision, fluctuations, torn_reads = {}, {}, {}, {}
-            hazards, job_scope = {}, {}
+            hazards, job_scope, verdicts, last_corrupt = {}, {}, {}, {}
             for job, series in self._jobs.items():
                 for kind, n in series.hazards.items():
                     hazards[(job, kind)] = n
@@ -292,6 +354,10 @@ class MetricsState:
                     collisions[(job, kind, scope, source)] = n
                 for (kind, scope), when in series.last_collision.items():
                     last_collision[(job, kind, scope)] = when
+                for (kind, scope), entry in series.collision_file.items():
+                    verdicts[(job, kind, scope, entry.verdict)] = 1
+                for cause, when in series.last_corrupt.items():
+                    last_corrupt[(job, cause)] = when
                 if series.fluctuations:
                     fluctuations[job] = series.fluctuations
                 if series.torn_reads:
@@ -304,6 +370,8 @@ class MetricsState:
                 active_writes=MappingProxyType(dict(self._active)),
                 collisions=MappingProxyType(collisions),
                 last_collision=MappingProxyType(last_collision),
+                last_collision_verdict=MappingProxyType(verdicts),
+                last_corrupt=MappingProxyType(last_corrupt),
                 events_received=self._received,
                 events_rejected=MappingProxyType(dict(self._rejected)),
                 client_events_dropped=self._dropped,

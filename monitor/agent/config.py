@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 from exporters.journal import default_journal_path
 from exporters.labels import MIN_VALUE_LENGTH, LabelLimits
-from exporters.metrics.listen import parse_listen_address
+from exporters.metrics.listen import RESERVED_PATHS, parse_listen_address
 from exporters.webconfig import WebConfig, WebConfigError
 from exporters import webconfig
 from ckptwatch.version import __version__
@@ -27,7 +27,9 @@ from monitor.fs.options import ATTRIBUTIONS as WATCH_ATTRIBUTIONS
 from monitor.fs.options import CHECKPOINT_PATTERNS as WATCH_PATTERNS
 from monitor.fs.options import WATCH_MODES
 
-LOG_LEVELS = ("debug", "info", "warning", "error")
+LOG_LEVELS = ("debug", "info", "warn", "error")
+# Other spellings people type (Python's "warning", go-kit's "warn"; any case): one level each.
+LOG_LEVEL_ALIASES = {"warning": "warn"}
 LOG_FORMATS = ("logfmt", "json")
 
 
@@ -99,10 +101,10 @@ def _address(value: Any) -> str:
 
 
 def _telemetry_path(value: Any) -> str:
-    if (not isinstance(value, str) or not value.startswith("/") or value in ("/", "/healthz")
+    if (not isinstance(value, str) or not value.startswith("/") or value in RESERVED_PATHS
             or len(value) > 256 or any(c.isspace() or c in "?#" for c in value)):
-        raise ValueError(f"expected a URL path such as /metrics (not / or /healthz, no "
-                         f"spaces, ? or #), got {value!r}")
+        raise ValueError(f"expected a URL path such as /metrics (none of "
+                         f"{', '.join(RESERVED_PATHS)}; no spaces, ? or #), got {value!r}")
     return value
 
 
@@ -207,11 +209,16 @@ def _name(value: Any) -> str:
     return value.strip()
 
 
-def _choice(choices: tuple[str, ...]) -> Callable[[Any], str]:
+def _choice(choices: tuple[str, ...],
+            aliases: dict[str, str] | None = None) -> Callable[[Any], str]:
+    aliases = aliases or {}
+
     def convert(value: Any) -> str:
-        if not isinstance(value, str) or value.lower() not in choices:
+        word = value.strip().lower() if isinstance(value, str) else None
+        word = aliases.get(word, word)
+        if word not in choices:
             raise ValueError(f"expected one of {', '.join(choices)}, got {value!r}")
-        return value.lower()
+        return word
     return convert
 
 
@@ -279,8 +286,8 @@ OPTIONS = (
            "seconds, after settle, a write still in flight may hold back the report of a "
            "concurrent collision it is part of; then the collision is reported naming it as "
            "in flight (a live but silent writer cannot hide a collision)"),
-    Option("log.level", "log_level", _choice(LOG_LEVELS),
-           f"log level: {', '.join(LOG_LEVELS)}"),
+    Option("log.level", "log_level", _choice(LOG_LEVELS, LOG_LEVEL_ALIASES),
+           f"log level: {', '.join(LOG_LEVELS)} (any case; warning = warn)"),
     Option("log.format", "log_format", _choice(LOG_FORMATS),
            f"log line format: {', '.join(LOG_FORMATS)}"),
     Option("node.name", "node", _name,

@@ -21,7 +21,7 @@ import psutil
 
 from ckptwatch.events import JOB_SCOPE_TYPES
 from exporters.fanout import Fanout
-from exporters.health import health_check
+from exporters.health import health_check, liveness_check
 from exporters.journal import Journal, JournalError, JournalExporter
 from exporters.logline import LogExporter
 from exporters.metrics.collector import build_registry
@@ -90,7 +90,8 @@ class Agent:
                  exporters: Fanout, server: MetricsServer, merger: SourceMerger | None = None,
                  fs: FsSource | None = None, heartbeat: list[float] | None = None,
                  fs_inbox: queue.SimpleQueue | None = None,
-                 job_scope: JobScopeEvents | None = None):
+                 job_scope: JobScopeEvents | None = None,
+                 started: threading.Event | None = None):
         self.config, self.state, self.inbox, self.ingest = config, state, inbox, ingest
         self.detector, self.checks, self.sizes = detector, checks, sizes
         self.exporters, self.server, self.merger, self.fs = exporters, server, merger, fs
@@ -99,13 +100,16 @@ class Agent:
         self._stopping = False
         self.journal: Journal | None = None
         self.job_scope = job_scope if job_scope is not None else JobScopeEvents()
+        # Set once start() has started every source: /-/ready waits for it.
+        self.started = started if started is not None else threading.Event()
 
     @classmethod
     def build(cls, config: Config) -> "Agent":
         """Construct every part; nothing listens or runs yet. Raises StartError when the
         journal cannot be opened."""
         state = MetricsState(limits=config.label_limits(), verify_results=VERIFY_RESULTS,
-                             corrupt_causes=CORRUPT_CAUSES)
+                             corrupt_causes=CORRUPT_CAUSES,
+                             verify_enabled=config.verify_enabled)
         inbox = Inbox()
         fs_inbox: queue.SimpleQueue = queue.SimpleQueue()
         heartbeat = [time.monotonic()]
@@ -144,8 +148,11 @@ class Agent:
                                   JobScopeCollector(job_scope), ChecksCollector(checks),
                                   JournalCollector(journal), LoopCollector(inbox),
                                   *([FsCollector(fs)] if fs is not None else []))
+        started = threading.Event()
         server = MetricsServer(config.listen_address, registry,
-                               health=health_check(ingest, heartbeat, fs, inbox),
+                               health=health_check(ingest, heartbeat, fs, inbox,
+                                                   started=started),
+                               healthy=liveness_check(ingest, heartbeat, fs),
                                web_config=config.web_config,
                                telemetry_path=config.telemetry_path)
         registry.register(HttpCollector(server))
@@ -153,7 +160,7 @@ class Agent:
                             JournalExporter(journal),
                             LogExporter()])
         agent = cls(config, state, inbox, ingest, detector, checks, sizes, exporters,
-                    server, merger, fs, heartbeat, fs_inbox, job_scope)
+                    server, merger, fs, heartbeat, fs_inbox, job_scope, started)
         agent.journal = journal
         return agent
 
@@ -178,13 +185,15 @@ class Agent:
             except (OSError, ValueError) as exc:
                 raise StartError(f"cannot watch {', '.join(config.watch_paths)}: {exc}") \
                     from exc
-        log.info("ckptwatch agent started: socket=%s metrics=%s (port %s) journal=%s "
-                 "watch=%s attribution=%s verify=%s pid=%d", config.socket,
-                 config.listen_address, self.server.port, config.journal_path,
-                 ",".join(config.watch_paths) or "none",
-                 self.fs.attribution if self.fs else "none",
-                 f"on (crc32: {crc.BACKEND})" if config.verify_enabled else "off", os.getpid())
+        log.info("ckptwatch agent started", extra={"fields": {
+            "socket": config.socket, "metrics": config.listen_address,
+            "port": self.server.port, "journal": config.journal_path,
+            "watch": config.watch_paths or "none",
+            "attribution": self.fs.attribution if self.fs else "none",
+            "verify": f"on (crc32: {crc.BACKEND})" if config.verify_enabled else "off",
+            "pid": os.getpid()}})
         self.checks.start()
+        self.started.set()
 
     def serve(self, stop: threading.Event) -> None:
         """The loop, until `stop` is set: take events in, hand them on, tick."""

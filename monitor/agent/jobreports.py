@@ -55,14 +55,16 @@ class JobScopeEvents:
     def state_reported(self, event: dict) -> None:
         if event["state"] == "disabled":
             self.disabled_logged += 1
-            log.warning("job scope disabled in pid %d on %s (job %s): %s; node-scope "
-                        "detection goes on", event["pid"], _clean(event["node"]),
-                        _clean(event.get("job") or "?"), _clean(event.get("reason") or "?"))
+            log.warning("job scope disabled; node-scope detection goes on", extra={"fields": {
+                "pid": event["pid"], "node": _bounded(event["node"]),
+                "training_job": _bounded(event.get("job") or ""),
+                "reason": _bounded(event.get("reason") or "?")}})
         else:
-            log.info("job scope active in pid %d on %s (job %s)", event["pid"],
-                     _clean(event["node"]), _clean(event.get("job") or "?"))
+            log.info("job scope active", extra={"fields": {
+                "pid": event["pid"], "node": _bounded(event["node"]),
+                "training_job": _bounded(event.get("job") or "")}})
 
 
-def _clean(text: str) -> str:
-    from exporters.logline import clean
-    return clean(text)[:256]
+def _bounded(text) -> str:
+    # A sender's words, cut: the log formatter escapes them (monitor.agent.logformat).
+    return str(text)[:256]

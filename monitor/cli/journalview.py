@@ -6,7 +6,7 @@ deduplicated across journals and bounded whatever the journal holds. Both views 
 """
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 from exporters.journal import ReadStats, read_records
@@ -184,3 +184,90 @@ def summarize(journal_path, summary: JournalSummary | None = None, details: bool
 def load(journal_path: str) -> list:
     """The collisions recorded in a journal, oldest first."""
     return summarize(journal_path).collisions
+
+
+# --- one file's history, for `ckptwatch diagnose` -------------------------------------------
+
+MAX_HISTORY = 1_000                 # records kept per kind for one path (newest kept)
+MAX_SEEN = 10_000                   # identities remembered to drop a record several journals hold
+
+
+@dataclass
+class PathHistory:
+    """Everything the journals say about one file (or the files under one directory): its
+    collisions (deduplicated across journals, as summarize does), its writes and the verdicts
+    the agent journaled (corrupt or unverifiable only: an ok verdict is not journaled)."""
+
+    collisions: list = field(default_factory=list)
+    writes: list = field(default_factory=list)
+    verdicts: list = field(default_factory=list)
+    paths: set = field(default_factory=set)          # the journal paths that matched
+    malformed: int = 0
+    dropped: int = 0
+
+
+def path_matcher(name: str):
+    """A test for journal paths (absolute) that are `name`: the same path, a file below it
+    (a checkpoint directory), or, for a relative name from a log, a path ending in it."""
+    name = name.rstrip("/") or "/"
+    if name.startswith("/"):
+        below = name + "/"
+        return lambda p: p == name or p.startswith(below)
+    tail, inside = "/" + name.lstrip("./"), "/" + name.lstrip("./") + "/"
+    return lambda p: p.endswith(tail) or inside in p
+
+
+def path_history(journal_paths, name: str) -> PathHistory:
+    """The records of `name` in the journals (each a journal file whose rotated files are read
+    too). Raises OSError if one exists but cannot be read."""
+    matches = path_matcher(name)
+    history = PathHistory()
+    seen: OrderedDict = OrderedDict()        # bounded: the newest identities
+
+    def first_time(key) -> bool:
+        if key in seen:
+            return False
+        seen[key] = None
+        if len(seen) > MAX_SEEN:
+            seen.popitem(last=False)
+        return True
+
+    def keep(items: list, item) -> None:
+        items.append(item)
+        if len(items) > MAX_HISTORY:
+            items.pop(0)
+            history.dropped += 1
+
+    for journal in journal_paths:
+        stats = ReadStats()
+        for record in read_records(journal, stats):
+            path = record.get("path")
+            if not isinstance(path, str) or not matches(path):
+                continue
+            kind = record.get("type")
+            try:
+                if kind == "collision":
+                    collision = Collision.from_record(record)
+                    for w in record["writers"]:
+                        checked_write(w)
+                    key = ("collision", collision.id, collision.kind, collision.scope)
+                    if collision.id and not first_time(key):
+                        continue
+                    keep(history.collisions, collision)
+                elif kind == "write" and record.get("source") != "job":
+                    write = checked_write(record)
+                    if not first_time(write_identity(write)):
+                        continue
+                    keep(history.writes, write)
+                elif kind == "verification":
+                    keep(history.verdicts, record)
+                else:
+                    continue
+            except (KeyError, TypeError, ValueError, AttributeError):
+                history.malformed += 1
+                continue
+            history.paths.add(path)
+        history.malformed += stats.malformed
+    history.collisions.sort(key=lambda c: c.first.start_wall)
+    history.writes.sort(key=lambda w: w.start_wall)
+    return history

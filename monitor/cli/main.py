@@ -22,6 +22,7 @@ ckptwatch: catch concurrent torch.save writes to one checkpoint path, and say wh
   ckptwatch report [--journal PATH]   who wrote what, when, and the fix
   ckptwatch scan PATH... [--deep]     find corrupt checkpoints on disk (exit 1 if any)
   ckptwatch lint PATH...              find checkpoint saves that several ranks can run
+  ckptwatch diagnose LOG [--journal]  from a failed resume's traceback to the writes behind it
 """
 
 
@@ -61,9 +62,14 @@ def _lint_module():
     return lint
 
 
+def _diagnose_module():
+    from monitor.cli import diagnose
+    return diagnose
+
+
 # The subcommands whose options live in their own module (add_arguments(parser)).
 _OPTIONS_FROM = {"check": _check_module, "report": _report_module, "scan": _scan_module,
-                 "lint": _lint_module}
+                 "lint": _lint_module, "diagnose": _diagnose_module}
 
 
 def _command(argv: list[str]) -> str | None:
@@ -114,8 +120,18 @@ def build_parser(detailed=tuple(_OPTIONS_FROM)) -> argparse.ArgumentParser:
                           "unverifiable, with the reason (exit 1 if any is corrupt)")
     lint = sub.add_parser("lint", help="find checkpoint writes that more than one rank can "
                           "run, in Python sources (exit 1 if any)")
+    diagnose = sub.add_parser(
+        "diagnose", help="read a failed resume's traceback: the failure, the file, who wrote "
+        "it and the fix (exit 1 if a write collision is behind it)",
+        description="Read a training log or traceback (a file, or - for standard input): name "
+                    "the checkpoint load failure (torch.load, safetensors, zip, pickle, "
+                    "staging-directory and permission errors), the file it names and, from the "
+                    "agent's journals, who wrote that file, which rank started first and "
+                    "finished last, what the agent found in it and the fix. Offline: reads the "
+                    "log and the journals only. Exit 1 when a write collision on that file is "
+                    "on record, 0 otherwise, 2 on a usage error or unreadable input.")
     for name, subparser in (("check", check), ("report", report), ("scan", scan),
-                            ("lint", lint)):
+                            ("lint", lint), ("diagnose", diagnose)):
         if name in detailed:
             module = _OPTIONS_FROM[name]()
             if name == "check":

@@ -27,6 +27,7 @@ opened and closed between two scans is never attributed. The agent's own pid is 
 """
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import threading
@@ -38,6 +39,22 @@ import psutil
 
 from ckptwatch import identity
 from monitor.detect.model import Writer
+
+log = logging.getLogger(__name__)
+
+CAP_SYS_PTRACE = 19          # linux/capability.h
+
+
+def has_capability(bit: int, status_path: str = "/proc/self/status") -> bool:
+    """Whether this process has capability `bit` in its effective set (False if unknown)."""
+    try:
+        with open(status_path, encoding="ascii", errors="replace") as fh:
+            for line in fh:
+                if line.startswith("CapEff:"):
+                    return bool(int(line.split()[1], 16) >> bit & 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    return False
 
 # Process names (psutil name(), i.e. the kernel comm, at most 15 characters) and interpreter
 # prefixes that make a process a candidate checkpoint writer.
@@ -151,6 +168,18 @@ class ProcScanner:
                        "denied": 0, "vanished": 0, "cache_hits": 0, "full_scans": 0,
                        "candidates": 0, "refreshes": 0, "updates": 0}
 
+    def _denied(self) -> None:
+        """The kernel refused a process's /proc/<pid>/fd or environ: counted, and said once.
+        Without CAP_SYS_PTRACE that is every other user's process, so no writer of a watched
+        file is named; with it, only processes a security module or another user namespace
+        keeps from the agent."""
+        self._stats["denied"] += 1
+        if self._stats["denied"] == 1 and not has_capability(CAP_SYS_PTRACE):
+            log.warning("cannot read another user's open files in /proc (needs CAP_SYS_PTRACE): "
+                        "writers of watched files the hook does not report stay unnamed, and "
+                        "collisions among them are not detected",
+                        extra={"fields": {"uid": os.geteuid()}})
+
     # ------------------------------------------------------------------ public API
 
     def holders_of(self, path: str, candidates: Iterable | None = None,
@@ -203,7 +232,7 @@ class ProcScanner:
                 if ident is not None:
                     return _holder(mode, None, ident)
             except psutil.AccessDenied:
-                self._stats["denied"] += 1
+                self._denied()
             except Exception:
                 self._stats["errors"] += 1
             return Holder(Writer(self.node, pid), mode)
@@ -246,7 +275,7 @@ class ProcScanner:
                         self._stats["vanished"] += 1
                         continue
                     except psutil.AccessDenied:
-                        self._stats["denied"] += 1
+                        self._denied()
                         continue
                     except Exception:
                         self._stats["errors"] += 1
@@ -344,7 +373,7 @@ class ProcScanner:
             except psutil.NoSuchProcess:
                 self._stats["vanished"] += 1
             except psutil.AccessDenied:
-                self._stats["denied"] += 1
+                self._denied()
             except Exception:   # a scan must never fail the agent; counted instead
                 self._stats["errors"] += 1
         return found

@@ -120,7 +120,8 @@ class FsSource:
                 "inotify_unavailable": watched["inotify_unavailable"],
                 "roots": watched["roots"], "attributions": scans["scans"],
                 "attribution_seconds": scans["total_seconds"],
-                "attribution_errors": scans["errors"], "dropped": self.dropped_total,
+                "attribution_errors": scans["errors"],
+                "attribution_denied": scans["denied"], "dropped": self.dropped_total,
                 "errors": self.errors_total, "attribution_method": self.attribution,
                 "fanotify": self.fan.stats() if self.fan is not None else {}}
 

@@ -81,6 +81,10 @@ _KIND_BY_TYPE = {"opened": OPENED, "modified": MODIFIED, "closed": CLOSED_WRITE,
 WATCHING = "watching"
 LOST = "lost"          # was watched, then deleted (or its watch died); re-armed when it returns
 MISSING = "missing"    # did not exist when the watcher started
+# The agent may not read it (no read permission and no CAP_DAC_READ_SEARCH): watchdog skips an
+# inotify watch refused with EACCES without a word, which left such a root reported as
+# watching while no event ever came. Tried again like a missing root.
+UNREADABLE = "unreadable"
 
 
 @dataclass(frozen=True)
@@ -387,6 +391,16 @@ class Watcher:
         except OSError:
             self._set_root(root, state=MISSING if not root.was_watched else LOST)
             return False
+        try:
+            os.close(os.open(root.path, os.O_RDONLY | os.O_DIRECTORY))
+        except OSError as exc:
+            if root.state != UNREADABLE:
+                log.warning("cannot read a watched root (it needs read permission for the "
+                            "agent's user, or CAP_DAC_READ_SEARCH): not watching it",
+                            extra={"fields": {"path": root.path, "error": exc}})
+                self._count("errors")
+            self._set_root(root, state=UNREADABLE)
+            return False
         want = "polling" if (self.mode == "polling" or root.fallback
                              or not inotify_available()) else "inotify"
         if want == "inotify":
@@ -398,8 +412,8 @@ class Watcher:
                     self._set_root(root, state=LOST if root.was_watched else MISSING)
                     return False
                 reason = _fallback_reason(exc)
-                log.warning("inotify cannot watch %s (%s); polling it every %.1fs instead",
-                            root.path, exc, self.poll_interval)
+                log.warning("inotify cannot watch a root; polling it instead", extra={"fields": {
+                    "path": root.path, "error": exc, "poll_interval": self.poll_interval}})
                 self._count("fallbacks")
                 self._set_root(root, fallback=reason)
                 want = "polling"
@@ -410,7 +424,8 @@ class Watcher:
                 watch = self._observer("polling").schedule(self._handler, root.path,
                                                            recursive=True)
             except OSError as exc:
-                log.warning("cannot watch %s: %s", root.path, exc)
+                log.warning("cannot watch a root", extra={"fields": {"path": root.path,
+                                                                     "error": exc}})
                 self._count("errors")
                 self._set_root(root, state=LOST if root.was_watched else MISSING)
                 return False
@@ -523,8 +538,9 @@ class Watcher:
         for path, reason in fallbacks.items():
             root = self._roots.get(path)
             if root is not None and root.mode == "inotify":
-                log.warning("inotify watch limit reached under %s; polling it every %.1fs",
-                            path, self.poll_interval)
+                log.warning("inotify watch limit reached; polling the root instead",
+                            extra={"fields": {"path": path,
+                                              "poll_interval": self.poll_interval}})
                 self._count("fallbacks")
                 self._disarm(root)
                 self._set_root(root, fallback=reason)
@@ -543,18 +559,19 @@ class Watcher:
                 same = False
             if same and self._watch_alive(root):
                 return
-            log.warning("watched root %s is gone; watching it again when it returns", root.path)
+            log.warning("watched root is gone; watching it again when it returns",
+                        extra={"fields": {"path": root.path}})
             self._disarm(root)
             self._set_root(root, state=LOST, losses=root.losses + 1)
             self._count("root_losses")
             self._emit(FsEvent(ROOT_LOST, root.path, None, self._clock(), self._wall_clock()))
-        if root.state in (LOST, MISSING) and os.path.isdir(root.path):
+        if root.state in (LOST, MISSING, UNREADABLE) and os.path.isdir(root.path):
             again = root.was_watched
             if self._arm(root):
                 if again:
                     self._set_root(root, rearms=root.rearms + 1)
                     self._count("rearms")
-                    log.info("watching %s again", root.path)
+                    log.info("watching a root again", extra={"fields": {"path": root.path}})
                 self._rescan(root)
 
     def _rescan(self, root: _Root) -> None:

@@ -86,7 +86,7 @@ class SocketFile:
             probe.connect(self.path)
         except ConnectionRefusedError:
             # Nobody listens: a socket left by an agent that died without cleaning up.
-            log.info("replacing stale socket %s", self.path)
+            log.info("replacing stale socket", extra={"fields": {"path": self.path}})
             os.unlink(self.path)
             return
         except OSError as exc:
@@ -139,7 +139,8 @@ class SocketFile:
         except FileNotFoundError:
             pass
         except OSError as exc:
-            log.warning("could not remove socket %s: %s", self.path, exc)
+            log.warning("could not remove socket", extra={"fields": {"path": self.path,
+                                                                     "error": exc}})
         self._identity = None
 
     @staticmethod

@@ -31,7 +31,8 @@ def test_collision_in_journal_metrics_and_log(workdir):
         writes = [r for r in agent.journal_records() if r.get("type") == "write"]
         assert len(writes) == 2
         warning = [line for line in agent.log.splitlines() if "level=warning" in line]
-        assert any("/ckpt/run1/last.pt" in line for line in warning), agent.log
+        assert any(' msg="concurrent write collision" kind=concurrent '
+                   'path=/ckpt/run1/last.pt ' in line for line in warning), agent.log
         assert "level=info" in agent.log and agent.socket in agent.log
 
 
@@ -241,7 +242,7 @@ def test_agent_verifies_finished_checkpoints_and_flags_a_torn_one(workdir, sockd
         assert agent.metric("ckptwatch_checkpoint_verifications_total", result="corrupt") == 1
         assert agent.metric("ckptwatch_corrupt_checkpoints_total", reason="truncated") == 1
         assert agent.metric("ckptwatch_corrupt_checkpoints_total", reason="torn") == 0
-    assert "corrupt checkpoint " + os.path.join(out, "torn.pt") in agent.log
+    assert f'msg="corrupt checkpoint" path={os.path.join(out, "torn.pt")} ' in agent.log
 
 
 def test_different_processes_leaving_different_sizes_is_a_size_fluctuation(workdir):
@@ -261,7 +262,7 @@ def test_different_processes_leaving_different_sizes_is_a_size_fluctuation(workd
                         message="size fluctuation journal record")
         assert (f["path"], f["size_before"], f["size_after"]) == (path, 1_000_000, 700_000)
         assert [w["rank"] for w in f["writers"]] == [0, 1]
-    assert "size fluctuation on /ckpt/sizes/last.pt" in agent.log
+    assert 'msg="size fluctuation" path=/ckpt/sizes/last.pt ' in agent.log
 
 
 def test_wait_judged_returns_only_after_a_pending_collision_is_journaled(workdir):

@@ -80,9 +80,11 @@ def test_rendered_objects_validate(tools, mode):
     assert checked == {"schema", "crd"}
     kinds = sorted(d["kind"] for d in docs)
     expected = {
-        "daemonset": ["ConfigMap", "DaemonSet", "PodMonitor", "PriorityClass", "PrometheusRule"],
+        "daemonset": ["ConfigMap", "DaemonSet", "PodMonitor", "PriorityClass", "PrometheusRule",
+                      "ServiceAccount"],
         "daemonset-servicemonitor": ["ConfigMap", "DaemonSet", "Namespace", "PriorityClass",
-                                     "PrometheusRule", "Service", "ServiceMonitor"],
+                                     "PrometheusRule", "Service", "ServiceAccount",
+                                     "ServiceMonitor"],
         "sidecar": ["ConfigMap", "Job", "PodMonitor", "PrometheusRule"],
     }[mode]
     assert kinds == expected
@@ -91,12 +93,178 @@ def test_rendered_objects_validate(tools, mode):
 
 
 def test_invalid_values_fail(tools):
-    for args in (["--set", "mode=both"],
-                 ["--set", "monitoring.serviceMonitor.enabled=true"],
-                 ["--set", "mode=sidecar", "--set", "monitoring.podMonitor.enabled=false",
-                  "--set", "monitoring.serviceMonitor.enabled=true"]):
+    for args, says in (
+            (["--set", "mode=both"], "mode"),
+            (["--set", "monitoring.serviceMonitor.enabled=true"], "not both"),
+            (["--set", "mode=sidecar", "--set", "monitoring.podMonitor.enabled=false",
+              "--set", "monitoring.serviceMonitor.enabled=true"], "needs mode=daemonset"),
+            (["--set", "agent.logLevel=loud"], "logLevel"),
+            (["--set", "daemonset.watchCapabilities={NET_ADMIN}"], "watchCapabilities"),
+            (["--set", "daemonset.watchCapabilities={SYS_PTRACE}"], "for daemonset.watchPaths"),
+            (["--set", "daemonset.watchPaths[0].path=relative/dir"], "path")):
         result = run(tools["helm"], "template", "ckw", CHART, *args, check=False)
         assert result.returncode != 0, args
+        assert says in result.stderr, (args, result.stderr)
+
+
+def test_sidecar_with_a_service_monitor_says_what_is_wrong(tools):
+    """f503c65 answered mode=sidecar + serviceMonitor with "enable one of podMonitor and
+    serviceMonitor, not both" (the PodMonitor is on by default): the wrong reason."""
+    result = run(tools["helm"], "template", "ckw", CHART, "--set", "mode=sidecar",
+                 "--set", "monitoring.serviceMonitor.enabled=true", check=False)
+    assert result.returncode != 0
+    assert "monitoring.serviceMonitor needs mode=daemonset" in result.stderr
+    assert "not both" not in result.stderr
+
+
+@pytest.mark.parametrize("typo", ["podAnotations.a=b", "agent.logLvl=debug",
+                                  "daemonset.watchPath[0].path=/x", "monitoring.intervall=5s",
+                                  "serviceAccount.create=true,serviceAccount.automount=false"])
+def test_values_schema_rejects_unknown_keys(tools, typo):
+    """f503c65 had no values.schema.json: a misspelt value was ignored silently."""
+    result = run(tools["helm"], "template", "ckw", CHART, "--set", typo, check=False)
+    assert result.returncode != 0, typo
+    assert "additional properties" in result.stderr, result.stderr
+
+
+def _schema_keys(schema, prefix=""):
+    keys = set()
+    for name, sub in schema.get("properties", {}).items():
+        keys.add(prefix + name)
+        if sub.get("type") == "object" and "properties" in sub:
+            assert sub["additionalProperties"] is False, prefix + name
+            keys |= _schema_keys(sub, prefix + name + ".")
+    return keys
+
+
+def _value_keys(values, schema, prefix=""):
+    keys = set()
+    for name, value in values.items():
+        keys.add(prefix + name)
+        sub = schema.get("properties", {}).get(name, {})
+        if isinstance(value, dict) and "properties" in sub:
+            keys |= _value_keys(value, sub, prefix + name + ".")
+    return keys
+
+
+def test_schema_describes_exactly_the_values():
+    with open(os.path.join(CHART, "values.schema.json")) as f:
+        schema = json.load(f)
+    with open(os.path.join(CHART, "values.yaml")) as f:
+        values = yaml.safe_load(f)
+    assert schema["additionalProperties"] is False
+    assert _schema_keys(schema) == _value_keys(values, schema)
+
+
+EVERYTHING = {
+    "nameOverride": "ckw-agent-x", "fullnameOverride": "",
+    "podAnnotations": {"example.com/scraped-by": "prom"},
+    "podLabels": {"team": "ml-platform"},
+    "podSecurityContext": {"fsGroup": 65532},
+    "securityContext": {"seLinuxOptions": {"type": "spc_t"}},
+    "serviceAccount": {"create": True, "name": "ckw-sa", "annotations": {"a": "b"}},
+    "extraVolumes": [{"name": "ca", "configMap": {"name": "corp-ca"}}],
+    "agent": {"extraEnv": [{"name": "TZ", "value": "UTC"}],
+              "extraVolumeMounts": [{"name": "ca", "mountPath": "/etc/ca", "readOnly": True}],
+              "extraArgs": ["--metrics.max-jobs=200"], "logLevel": "WARN"},
+    "daemonset": {"affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution":
+                                                {"nodeSelectorTerms": [{"matchExpressions": [
+                                                    {"key": "pool", "operator": "In",
+                                                     "values": ["gpu"]}]}]}}},
+                  "tolerations": [{"key": "dedicated", "operator": "Equal", "value": "ml",
+                                   "effect": "NoSchedule"}],
+                  "watchPaths": [{"path": "/mnt/ckpt"}],
+                  "watchCapabilities": ["SYS_PTRACE", "DAC_READ_SEARCH"]},
+    "monitoring": {"podMonitor": {"enabled": False}, "serviceMonitor": {"enabled": True},
+                   "scrapeTimeout": "10s",
+                   "relabelings": [{"targetLabel": "cluster", "replacement": "eu-1"}],
+                   "metricRelabelings": [{"sourceLabels": ["__name__"],
+                                          "regex": "process_.*", "action": "drop"}]},
+}
+
+
+@pytest.fixture(scope="module")
+def everything(tools, tmp_path_factory):
+    path = tmp_path_factory.mktemp("values") / "everything.yaml"
+    path.write_text(yaml.safe_dump(EVERYTHING))
+    return render(tools, "-f", str(path))
+
+
+def test_every_value_lands_and_validates(everything):
+    """Every option of the chart at once, rendered by the real helm and validated against the
+    Kubernetes 1.37 schemas (strict)."""
+    assert {validate(d) for d in everything} == {"schema", "crd"}
+    ds = by_kind(everything, "DaemonSet")
+    template = ds["spec"]["template"]
+    spec = template["spec"]
+    assert template["metadata"]["annotations"] == {"example.com/scraped-by": "prom"}
+    assert template["metadata"]["labels"]["team"] == "ml-platform"
+    assert template["metadata"]["labels"]["app.kubernetes.io/name"] == "ckw-agent-x"
+    assert ds["metadata"]["name"] == "ckw-ckw-agent-x-agent"
+    assert spec["securityContext"]["fsGroup"] == 65532
+    assert spec["securityContext"]["runAsNonRoot"] is True          # merged, not replaced
+    assert spec["serviceAccountName"] == "ckw-sa"
+    assert spec["affinity"]["nodeAffinity"]
+    assert spec["tolerations"] == EVERYTHING["daemonset"]["tolerations"]
+    assert spec["nodeSelector"] == {"kubernetes.io/os": "linux"}
+    assert {"name": "ca", "configMap": {"name": "corp-ca"}} in spec["volumes"]
+    agent = agent_container(spec)
+    assert {"name": "TZ", "value": "UTC"} in agent["env"]
+    assert {"name": "ca", "mountPath": "/etc/ca", "readOnly": True} in agent["volumeMounts"]
+    assert "--metrics.max-jobs=200" in agent["args"] and "--log.level=WARN" in agent["args"]
+    assert agent["securityContext"]["seLinuxOptions"] == {"type": "spc_t"}
+    sa = by_kind(everything, "ServiceAccount")
+    assert sa["metadata"]["name"] == "ckw-sa" and sa["metadata"]["annotations"] == {"a": "b"}
+    assert sa["automountServiceAccountToken"] is False
+    sm = by_kind(everything, "ServiceMonitor")
+    (ep,) = sm["spec"]["endpoints"]
+    # The job label the rules match survives nameOverride (app.kubernetes.io/name changed).
+    assert ep["relabelings"][0] == {"targetLabel": "job", "replacement": "ckptwatch"}
+    assert ep["relabelings"][-1] == {"targetLabel": "cluster", "replacement": "eu-1"}
+    assert ep["metricRelabelings"] == EVERYTHING["monitoring"]["metricRelabelings"]
+    assert ep["scrapeTimeout"] == "10s"
+    svc = by_kind(everything, "Service")
+    assert sm["spec"]["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()
+    assert svc["spec"]["selector"].items() <= template["metadata"]["labels"].items()
+
+
+def test_watch_capabilities_run_the_agent_as_uid_0_with_only_those(tools, everything):
+    """Kubernetes grants an added capability to uid 0 only (no ambient capabilities): with
+    watchCapabilities the agent is uid 0 with every other capability dropped, and its host
+    directories are handed to uid 0. Without them it stays uid 65532 with none."""
+    spec = pod_specs(by_kind(everything, "DaemonSet"))[0]
+    sc = agent_container(spec)["securityContext"]
+    assert sc["runAsUser"] == 0 and sc["runAsNonRoot"] is False
+    assert sc["capabilities"] == {"drop": ["ALL"], "add": ["SYS_PTRACE", "DAC_READ_SEARCH"]}
+    assert sc["allowPrivilegeEscalation"] is False and sc["readOnlyRootFilesystem"] is True
+    (init,) = spec["initContainers"]
+    assert init["command"][2].startswith("chown 0:65532 ")
+    default = agent_container(pod_specs(by_kind(render(tools), "DaemonSet"))[0])
+    assert default["securityContext"]["runAsUser"] == 65532
+    assert "add" not in default["securityContext"]["capabilities"]
+
+
+def test_sidecar_journal_claim_keeps_each_pods_journal(tools):
+    job = by_kind(render(tools, *MODES["sidecar"], "--set",
+                         "sidecar.exampleJob.journalClaim=ckptwatch-journals",
+                         namespace="training"), "Job")
+    validate(job)
+    spec = pod_specs(job)[0]
+    agent = agent_container(spec)
+    (mount,) = [m for m in agent["volumeMounts"] if m["mountPath"] == "/var/lib/ckptwatch"]
+    assert mount["subPathExpr"] == "$(POD_NAME)"
+    assert {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}} \
+        in agent["env"]
+    (vol,) = [v for v in spec["volumes"] if v["name"] == mount["name"]]
+    assert vol["persistentVolumeClaim"] == {"claimName": "ckptwatch-journals"}
+
+
+def test_alerts_name_the_daemonsets_journal(tools):
+    rule = by_kind(render(tools, "--set", "daemonset.journalDir=/srv/ckptwatch"),
+                   "PrometheusRule")
+    text = json.dumps(rule["spec"])
+    assert "--journal /srv/ckptwatch/journal.jsonl" in text
+    assert "/var/lib/ckptwatch/journal.jsonl" not in text
 
 
 def test_daemonset_matches_the_plain_manifest(tools):

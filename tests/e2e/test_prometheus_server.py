@@ -34,7 +34,10 @@ def agent_metrics():
     state.write_finished(write(200, None, None, 30.0))  # a process with no job id
     # Detected now: the alert compares the collision's time with Prometheus' time().
     state.collision(Collision(path=PATH, kind=KIND_CONCURRENT, writes=tuple(writes),
-                              detected_wall=time.time()))
+                              detected_wall=time.time(), id="c1"))
+    # The verifier found the file the writers left torn.
+    state.verification("corrupt", "torn", job="job-7", path=PATH, collision_id="c1",
+                       wall=time.time())
     server = MetricsServer("127.0.0.1:0", build_registry(state))
     server.start()
     yield server
@@ -74,3 +77,17 @@ def test_prometheus_sees_collisions_and_rules_evaluate(agent_metrics):
         assert alerts[0]["metric"]["training_job"] == "job-7"
         assert alerts[0]["metric"]["severity"] == "critical"
         assert not prom.query('ALERTS{alertname="CkptwatchAgentDown"}')
+
+        # The text is rendered by the real Prometheus, its template query included: it says
+        # what the agent found in the file, and the command that shows the writers.
+        by_name = {a["labels"]["alertname"]: a for a in prom.alerts()}
+        collision = by_name["CkptwatchConcurrentWriteCollision"]["annotations"]
+        assert collision["summary"] == ("Concurrent checkpoint writes in training job job-7 "
+                                        f"on {target}: the checkpoint is corrupt")
+        assert "The agent verified the file they left: it is corrupt." in \
+            collision["description"]
+        assert ("`ckptwatch report --journal /var/lib/ckptwatch/journal.jsonl` on "
+                f"{target}") in collision["description"]
+        corrupt = wait_for_query(prom, 'ALERTS{alertname="CkptwatchCorruptCheckpoint"}')
+        assert corrupt[0]["metric"]["training_job"] == "job-7"
+        assert corrupt[0]["metric"]["reason"] == "torn"

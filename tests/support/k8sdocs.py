@@ -230,7 +230,11 @@ def check_sidecar_pod(spec, kind):
     journal_volume = volumes[agent_mounts[os.path.dirname(cfg.journal_path)]["name"]]
     limit = parse_quantity(journal_volume["emptyDir"]["sizeLimit"])
     assert cfg.journal_max_bytes * (cfg.journal_backups + 1) < limit
-    assert agent["startupProbe"]["httpGet"]["path"] == "/healthz"
+    # The trainer starts once the agent is ready (started: its socket bound); liveness is
+    # /-/healthy, which an agent that is merely behind its queue still passes.
+    assert agent["startupProbe"]["httpGet"]["path"] == "/-/ready"
+    assert agent["readinessProbe"]["httpGet"]["path"] == "/-/ready"
+    assert agent["livenessProbe"]["httpGet"]["path"] == "/-/healthy"
 
 
 _UNITS = {"": 1, "k": 1000, "M": 1000**2, "G": 1000**3, "Ki": 1024, "Mi": 1024**2,

@@ -134,3 +134,34 @@ def test_a_watched_write_whose_start_comes_after_its_close_is_still_verified(wor
         assert [p for p, *_ in due] == [path]
     finally:
         agent.journal.close()
+
+
+def test_ready_waits_for_start_and_liveness_ignores_lag(sockdir, no_thread_leak):
+    """/-/ready is false until the agent has started every source, and while the loop is
+    behind; /-/healthy stays true through both (a restart would not help)."""
+    import threading
+    import time
+
+    from exporters.health import MAX_LAG_SECONDS, health_check, liveness_check
+    from monitor.ingest.inbox import Inbox
+    from monitor.ingest.server import IngestServer
+
+    now = [100.0]
+    inbox = Inbox(clock=lambda: now[0])
+    ingest = IngestServer(os.path.join(sockdir, "ready.sock"), lambda e: None, lambda r: None)
+    started = threading.Event()
+    heartbeat = [time.monotonic()]
+    ready = health_check(ingest, heartbeat, inbox=inbox, started=started)
+    healthy = liveness_check(ingest, heartbeat)
+    ingest.start()
+    try:
+        assert ready() == (False, "agent is starting") and healthy() == (True, "")
+        started.set()
+        assert ready() == (True, "")
+        inbox.put([{"type": "start"}])
+        now[0] += MAX_LAG_SECONDS + 1
+        assert not ready()[0] and healthy() == (True, "")
+        heartbeat[0] -= 31                                  # the loop stopped turning
+        assert healthy() == (False, "agent loop stalled")
+    finally:
+        ingest.stop()

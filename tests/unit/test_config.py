@@ -75,7 +75,21 @@ def test_yaml_nested_and_flat_keys(tmp_path):
     assert cfg.listen_address == "127.0.0.1:19998"
     assert cfg.journal_max_bytes == 1000
     assert cfg.socket_mode == 0o600
-    assert cfg.log_level == "warning"
+    assert cfg.log_level == "warn"
+
+
+@pytest.mark.parametrize("spelling", ["warn", "warning", "WARN", "Warning", " warn "])
+def test_log_level_takes_the_usual_spellings(spelling):
+    # go-kit/Prometheus say "warn", Python says "warning"; f503c65 refused "warn".
+    assert load(["--log.level", spelling]).log_level == "warn"
+    assert load([f"--log.level={spelling.strip().upper()}"]).log_level == "warn"
+
+
+def test_log_level_error_lists_the_levels():
+    with pytest.raises(ConfigError) as info:
+        load(["--log.level", "loud"])
+    (error,) = info.value.errors
+    assert error.startswith("--log.level: expected one of debug, info, warn, error")
 
 
 def test_precedence_defaults_file_flags(tmp_path):

@@ -32,15 +32,12 @@ UNIT = os.path.join(DEPLOY, "systemd", "ckptwatch-agent.service")
 LOCK = os.path.join(DEPLOY, "requirements.lock")
 RUNBOOK = os.path.join(REPO_ROOT, "docs", "runbook.md")
 
-ALERTS = ("CkptwatchConcurrentWriteCollision", "CkptwatchRedundantCheckpointWrites",
-          "CkptwatchCheckpointSizeFluctuation", "CkptwatchCheckpointHazard",
-          "CkptwatchEventsRejected", "CkptwatchClientEventsDropped", "CkptwatchAgentDown")
+ALERTS = ("CkptwatchConcurrentWriteCollision", "CkptwatchCorruptCheckpoint",
+          "CkptwatchRedundantCheckpointWrites", "CkptwatchCheckpointSizeFluctuation",
+          "CkptwatchCheckpointHazard", "CkptwatchEventsRejected", "CkptwatchClientEventsDropped",
+          "CkptwatchLabelValuesOverflowed", "CkptwatchAgentDown")
 # Series Prometheus makes itself rather than scraping them from the agent.
 PROMETHEUS_SERIES = {"up", "ALERTS", "ALERTS_FOR_STATE"}
-# Metrics of a written contract whose exporter has not landed yet (issue 9: job scope). The
-# rules may name them; test_contract_metrics_are_still_pending fails once they are exported,
-# so this set cannot outlive its reason.
-PENDING_CONTRACT = {"ckptwatch_hazards_total"}
 RUNBOOK_BASE = "https://github.com/ckptwatch/ckptwatch/blob/main/docs/runbook.md"
 
 needs_promtool = pytest.mark.skipif(shutil.which("promtool") is None,
@@ -147,6 +144,8 @@ def exported_names():
     state.set_active_writes({"j": 1})
     state.finding("size_fluctuation", "j")
     state.finding("torn_read", "j")
+    state.hazard("j", "local_rank_guard")
+    state.verification("corrupt", "torn", job="j", path="/c/x.pt", wall=4.0)
     fs_stats = {"events_lost": 0, "fallbacks": 0, "attributions": 1,
                 "attribution_seconds": 0.1, "attribution_errors": 0,
                 "roots": {"/ckpt": {"mode": "inotify", "state": "watching"}}}
@@ -168,18 +167,46 @@ def exported_names():
     return names
 
 
+def template_query_metrics(rule) -> set[str]:
+    """Metrics an alert's annotations read with a template query (printf "name{...}" | query)."""
+    return set(re.findall(r'printf "(\w+)\{', " ".join(rule.get("annotations", {}).values())))
+
+
 def test_rules_use_only_exported_metrics(exported_names):
     used = set()
     for rule in alert_rules():
-        used |= metric_names(rule["expr"])
+        used |= metric_names(rule["expr"]) | template_query_metrics(rule)
     assert {"ckptwatch_last_collision_timestamp_seconds",
+            "ckptwatch_last_corrupt_checkpoint_timestamp_seconds",
+            "ckptwatch_last_collision_verification",
             "ckptwatch_size_fluctuations_total", "ckptwatch_hazards_total"} <= used
-    assert used - exported_names - PROMETHEUS_SERIES - PENDING_CONTRACT == set()
+    assert used - exported_names - PROMETHEUS_SERIES == set()
 
 
-def test_contract_metrics_are_still_pending(exported_names):
-    # Once the exporter has them, drop them from PENDING_CONTRACT (and check their labels).
-    assert not PENDING_CONTRACT & exported_names
+JOB_ALERTS = ("CkptwatchConcurrentWriteCollision", "CkptwatchCorruptCheckpoint",
+              "CkptwatchRedundantCheckpointWrites", "CkptwatchCheckpointSizeFluctuation",
+              "CkptwatchCheckpointHazard")
+JOURNAL = "/var/lib/ckptwatch/journal.jsonl"
+
+
+def test_alerts_keep_every_target_label_and_name_the_report_command():
+    """f503c65 grouped by (training_job, instance, node): in sidecar mode the pod and namespace
+    of the training pod were lost, CkptwatchCorruptCheckpoint had no training_job, and the
+    descriptions said "Run `ckptwatch report` on that node" with no journal."""
+    rules = {r["alert"]: r for r in alert_rules()}
+    for name, rule in rules.items():
+        assert not re.search(r"\b(by|without)\s*\(", rule["expr"]), name
+    for name in JOB_ALERTS:
+        rule = rules[name]
+        text = json.dumps(rule["annotations"])
+        assert "$labels.training_job" in rule["annotations"]["summary"], name
+        assert f"-- ckptwatch report --journal {JOURNAL}`" in text, name
+        assert "kubectl -n {{ $labels.namespace }} exec {{ $labels.pod }}" in text, name
+        assert "-c {{ . }}" in text, name                            # the sidecar's container
+    metrics = {m for name in JOB_ALERTS for m in metric_names(rules[name]["expr"])}
+    assert metrics <= {"ckptwatch_last_collision_timestamp_seconds",
+                       "ckptwatch_last_corrupt_checkpoint_timestamp_seconds",
+                       "ckptwatch_size_fluctuations_total", "ckptwatch_hazards_total"}
 
 
 def test_dashboard_uses_only_exported_metrics(exported_names):
@@ -364,13 +391,18 @@ def panel(title):
     return found
 
 
-def panel_expr(title, **values):
-    (target,) = panel(title)["targets"]
-    expr = target["expr"]
-    for var, value in values.items():
-        expr = expr.replace(f"${var}", value)
+def substitute(expr, values):
+    """expr with Grafana's variables replaced, longest name first ($__range_s before
+    $__range)."""
+    for var in sorted(values, key=len, reverse=True):
+        expr = expr.replace(f"${var}", values[var])
     assert "$" not in expr, expr
     return expr
+
+
+def panel_expr(title, **values):
+    (target,) = panel(title)["targets"]
+    return substitute(target["expr"], values)
 
 
 @needs_promtool
@@ -430,22 +462,68 @@ def test_collision_panels_link_to_the_paths():
                   "Last collision", "Last collision by job", "Collisions by job and kind"):
         links = panel(title).get("links", [])
         assert any(link["url"].endswith("runbook.md#finding-the-paths") for link in links), title
-    text = panel("Which paths? Run ckptwatch report on the node")
+    text = panel("Which paths? Run ckptwatch report where the agent runs")
     assert text["type"] == "text"
-    assert "ckptwatch report --journal" in text["options"]["content"]
-    assert "${node}" in text["options"]["content"]
+    assert "ckptwatch report --journal /var/lib/ckptwatch/journal.jsonl" in \
+        text["options"]["content"]
+
+
+def test_no_text_panel_uses_a_variable_that_can_be_all():
+    """f503c65's text panel put ${node} into `--field-selector spec.nodeName=${node}`: with
+    "All" (or several nodes) selected, a command that selects nothing."""
+    variables = {v["name"] for v in dashboard()["templating"]["list"] if v.get("includeAll")
+                 or v.get("multi")}
+    assert variables == {"node", "training_job"}
+
+    def walk(panels):
+        for p in panels:
+            if p["type"] == "text":
+                for name in variables:
+                    assert f"${name}" not in p["options"]["content"], p["title"]
+                    assert "${" + name not in p["options"]["content"], p["title"]
+            walk(p.get("panels", []))
+    walk(dashboard()["panels"])
+
+
+def top_row():
+    """The panels of the dashboard's first row, left to right."""
+    panels = dashboard()["panels"]
+    assert panels[0]["type"] == "row" and panels[0]["gridPos"]["y"] == 0
+    end = next(i for i, p in enumerate(panels[1:], 1) if p["type"] == "row")
+    return sorted(panels[1:end], key=lambda p: p["gridPos"]["x"])
+
+
+def test_top_row_is_what_on_call_reads_first():
+    """Collisions, corrupt checkpoints, hazards, agents down: f503c65 showed no hazards and
+    corrupt checkpoints only in a time series near the bottom."""
+    row = top_row()
+    assert [p["type"] for p in row] == ["stat"] * 4
+    exprs = [p["targets"][0]["expr"] for p in row]
+    assert 'ckptwatch_collisions_total{kind="concurrent"' in exprs[0]
+    assert "ckptwatch_last_corrupt_checkpoint_timestamp_seconds" in exprs[1]
+    assert "ckptwatch_hazards_total" in exprs[2]
+    assert exprs[3].startswith('count(up{job="ckptwatch", node=~"$node"} == 0)')
+    for p in row:
+        assert p["targets"][0]["expr"].endswith(" or vector(0)"), p["title"]   # 0, not "No data"
+        assert p["gridPos"]["y"] == 1 and p["links"], p["title"]
+
+
+def test_save_duration_panels_read_the_histogram():
+    heatmap = next(p for p in dashboard()["panels"] if p["type"] == "heatmap")
+    (target,) = heatmap["targets"]
+    assert target["format"] == "heatmap"
+    assert "by (le)" in target["expr"] and "ckptwatch_write_duration_seconds_bucket" in \
+        target["expr"]
 
 
 @needs_promtool
 def test_dashboard_queries_are_valid_promql(tmp_path):
     # promtool has no expression checker, but it parses recording rules: wrap each query.
-    values = {"$__rate_interval": "5m", "$__range": "1h", "$training_job": ".*", "$node": ".*"}
+    values = {"__rate_interval": "5m", "__range": "1h", "__range_s": "3600",
+              "training_job": ".*", "node": ".*"}
     rules = []
     for i, expr in enumerate(dashboard_exprs()):
-        for var, value in values.items():
-            expr = expr.replace(var, value)
-        assert "$" not in expr, expr
-        rules.append({"record": f"dashboard:query_{i}", "expr": expr})
+        rules.append({"record": f"dashboard:query_{i}", "expr": substitute(expr, values)})
     path = tmp_path / "dashboard-rules.yml"
     path.write_text(yaml.safe_dump({"groups": [{"name": "dashboard", "rules": rules}]}))
     promtool("check", "rules", str(path))
@@ -495,8 +573,11 @@ def test_daemonset_hygiene(manifests):
     ports = {p["name"]: p["containerPort"] for p in agent["ports"]}
     assert ports == {"metrics": 19400}
     assert "--web.listen-address=:19400" in agent["args"]
-    for probe in ("livenessProbe", "readinessProbe"):
-        assert agent[probe]["httpGet"] == {"path": "/healthz", "port": "metrics"}
+    assert agent["livenessProbe"]["httpGet"] == {"path": "/-/healthy", "port": "metrics"}
+    assert agent["readinessProbe"]["httpGet"] == {"path": "/-/ready", "port": "metrics"}
+    # Not a blanket `operator: Exists` (f503c65): it also tolerates NoExecute taints.
+    assert all(t.get("key") for t in spec["tolerations"]), spec["tolerations"]
+    assert spec["nodeSelector"] == {"kubernetes.io/os": "linux"}
 
     for c in all_containers(spec):
         sc = c["securityContext"]

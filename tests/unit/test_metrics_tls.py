@@ -64,7 +64,7 @@ def test_index_page_and_telemetry_path(serve_metrics):
     s = serve_metrics(telemetry_path="/probe/metrics")
     status, headers, body = get(s.server.port, "/")
     assert status == 200 and headers["Content-Type"].startswith("text/html")
-    assert '<a href="/probe/metrics">' in body and '<a href="/healthz">' in body
+    assert '<a href="/probe/metrics">' in body and '<a href="/-/ready">' in body
     assert get(s.server.port, "/probe/metrics")[0] == 200
     assert get(s.server.port, "/metrics")[0] == 404
     assert get(s.server.port, "/nope")[0] == 404

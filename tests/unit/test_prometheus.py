@@ -105,6 +105,79 @@ def test_collisions_by_kind_scope_and_last_timestamp(state):
                  training_job="job-a", kind="redundant", scope="node") == 1_700_000_200.0
 
 
+def verdicts(reg, job="job-a", kind="concurrent", scope="node"):
+    """{result: 1} of ckptwatch_last_collision_verification for one job, kind and scope."""
+    return {s.labels["result"]: s.value for f in reg.collect() for s in f.samples
+            if s.name == "ckptwatch_last_collision_verification"
+            and (s.labels["training_job"], s.labels["kind"], s.labels["scope"]) ==
+            (job, kind, scope)}
+
+
+def test_the_latest_collisions_file_verdict_follows_the_verifier(state):
+    """What the collision alert says about the file (issue 20: it said "very probably
+    corrupt" for a file the agent had verified whole)."""
+    reg = build_registry(state)
+    c = collision(detected=1_700_000_100.0)
+    state.collision(c)
+    assert verdicts(reg) == {"pending": 1}
+    # Another path's verdict says nothing about this one.
+    state.verification("corrupt", "torn", job="job-a", path="/other.pt",
+                       wall=1_700_000_101.0)
+    assert verdicts(reg) == {"pending": 1}
+    state.verification("ok", job="job-a", path=PATH, wall=1_700_000_102.0)
+    assert verdicts(reg) == {"ok": 1}
+    # A later save of the same path, verified again, is not what the collision left...
+    state.verification("corrupt", "torn", job="job-a", path=PATH, wall=1_700_000_200.0)
+    assert verdicts(reg) == {"ok": 1}
+    # ...unless the verifier names the collision.
+    later = (write(pid=100, rank=0, start=290.0), write(pid=101, rank=1, start=290.2))
+    state.collision(Collision(path=PATH, kind=KIND_CONCURRENT, writes=later,
+                              detected_wall=1_700_000_300.0, id="c2"))
+    assert verdicts(reg) == {"pending": 1}
+    state.verification("corrupt", "torn", job="job-a", path="/renamed.pt", collision_id="c2",
+                       wall=1_700_000_301.0)
+    assert verdicts(reg) == {"corrupt": 1}
+    # One series per (job, kind, scope): the redundant collision has its own.
+    state.collision(Collision(path=PATH, kind=KIND_REDUNDANT, writes=later,
+                              detected_wall=1_700_000_400.0))
+    assert verdicts(reg, kind="redundant") == {"pending": 1}
+    assert verdicts(reg) == {"corrupt": 1}
+
+
+def test_a_verdict_that_came_before_its_collision_was_published_counts(state):
+    """A job-scope collision settles (3 s) after the verifier's quiet period (2 s): the
+    verdict on its file arrives first."""
+    c = collision(detected=1_700_000_100.0)
+    ended = max(w.end_wall for w in c.writes)
+    state.verification("corrupt", "torn", job="job-a", path=PATH, wall=ended + 2)
+    state.collision(c)
+    assert verdicts(build_registry(state)) == {"corrupt": 1}
+    # A verdict from before the collision's writes ended is not about what they left.
+    other = MetricsState()
+    other.verification("ok", job="job-a", path=PATH, wall=ended - 5)
+    other.collision(c)
+    assert verdicts(build_registry(other)) == {"pending": 1}
+
+
+def test_verification_off_says_so(state):
+    off = MetricsState(verify_enabled=False)
+    off.collision(collision())
+    assert verdicts(build_registry(off)) == {"off": 1}
+
+
+def test_a_corrupt_checkpoint_has_its_job_and_time(state):
+    """CkptwatchCorruptCheckpoint had no training_job (issue 20)."""
+    reg = build_registry(state)
+    state.verification("corrupt", "torn", job="job-a", path=PATH, wall=1_700_000_100.0)
+    state.verification("corrupt", "torn", job="job-a", path=PATH, wall=1_700_000_050.0)
+    state.verification("corrupt", "truncated", job="", path="/x.pt", wall=1_700_000_200.0)
+    state.verification("ok", job="job-b", path="/y.pt", wall=1_700_000_300.0)
+    name = "ckptwatch_last_corrupt_checkpoint_timestamp_seconds"
+    assert value(reg, name, training_job="job-a", reason="torn") == 1_700_000_100.0
+    assert value(reg, name, training_job="", reason="truncated") == 1_700_000_200.0
+    assert value(reg, name, training_job="job-b", reason="torn") is None
+
+
 def test_collision_between_two_jobs_uses_the_collision_job_label(state):
     writes = (write(pid=1, job="job-a"), write(pid=2, job="job-b", start=10.1))
     c = Collision(path=PATH, kind=KIND_CONCURRENT, writes=writes, detected_wall=5.0)
@@ -334,6 +407,58 @@ def test_unknown_path_is_404(server):
     # "/" is the index page (tests/unit/test_metrics_tls.py).
     assert get(f"http://127.0.0.1:{server.port}/nope")[0] == 404
     assert get(f"http://127.0.0.1:{server.port}/metrics/x")[0] == 404
+
+
+def _request(port, method, path):
+    import http.client
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+    try:
+        conn.request(method, path, headers={"Accept-Encoding": "gzip"})
+        resp = conn.getresponse()
+        return resp.status, dict(resp.getheaders()), resp.read()
+    finally:
+        conn.close()
+
+
+@pytest.mark.parametrize("path", ["/metrics", "/", "/healthz", "/-/healthy", "/-/ready",
+                                  "/nope"])
+def test_head_answers_like_get_without_a_body(server, path):
+    """f503c65 answered HEAD /metrics with 501 (http.server's default)."""
+    got = _request(server.port, "GET", path)
+    head = _request(server.port, "HEAD", path)
+    assert head[0] == got[0] and head[2] == b""
+    for name in ("Content-Type", "Content-Encoding"):
+        assert head[1].get(name) == got[1].get(name), name
+    if path != "/metrics":       # a scrape's body changes between two requests
+        assert head[1]["Content-Length"] == got[1]["Content-Length"] == str(len(got[2]))
+
+
+def test_healthy_and_ready_are_separate_checks(fed_state, no_thread_leak):
+    """/-/healthy is liveness, /-/ready (and /healthz) readiness, as Prometheus has them: an
+    agent behind its queue is alive but not ready."""
+    ready = {"ok": True}
+    srv = MetricsServer("127.0.0.1:0", build_registry(fed_state),
+                        health=lambda: (ready["ok"], "agent loop behind"),
+                        healthy=lambda: (True, ""))
+    srv.start()
+    try:
+        base = f"http://127.0.0.1:{srv.port}"
+        assert [get(base + p)[0] for p in ("/-/healthy", "/-/ready", "/healthz")] == \
+            [200, 200, 200]
+        ready["ok"] = False
+        assert get(base + "/-/healthy")[::2] == (200, "ok\n")
+        assert get(base + "/-/ready")[::2] == (503, "agent loop behind\n")
+        assert get(base + "/healthz")[0] == 503
+        index = get(base + "/")[2]
+        assert 'href="/-/healthy"' in index and 'href="/-/ready"' in index
+    finally:
+        srv.stop()
+
+
+def test_telemetry_path_cannot_hide_a_health_endpoint(fed_state):
+    for path in ("/", "/healthz", "/-/healthy", "/-/ready"):
+        with pytest.raises(ValueError):
+            MetricsServer("127.0.0.1:0", build_registry(fed_state), telemetry_path=path)
 
 
 def test_start_stop_idempotent_and_port_freed(fed_state, no_thread_leak):
