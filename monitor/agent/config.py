@@ -347,6 +347,14 @@ def build_parser(prog: str = "ckptwatch agent") -> argparse.ArgumentParser:
                "see the training processes (hostPID on Kubernetes; the trainers' own pid "
                "namespaces are fine).")
     parser.add_argument("--version", action="version", version=f"ckptwatch {__version__}")
+    # -q/-v as on every ckptwatch command: fewer or more log lines (--log.level wins).
+    verbosity = parser.add_mutually_exclusive_group()
+    verbosity.add_argument("-q", "--quiet", dest="verbosity_level", action="store_const",
+                           const="error", default=None, help="log errors only (--log.level "
+                           "error)")
+    verbosity.add_argument("-v", "--verbose", dest="verbosity_level", action="store_const",
+                           const="debug", default=None, help="log everything (--log.level "
+                           "debug)")
     parser.add_argument("--config.file", dest="config_file", metavar="PATH", default=None,
                         help="TOML (.toml) or YAML (.yaml/.yml) file with any of the settings "
                              "below (default: none)")
@@ -420,6 +428,8 @@ def load(argv: list[str] | None = None) -> Config:
         given = getattr(args, opt.attr)
         if given is not None:
             values[opt.attr] = (f"--{opt.flag}", given)
+    if args.verbosity_level and "log_level" not in values:
+        values["log_level"] = ("-q/-v", args.verbosity_level)
     converted = {}
     for opt in OPTIONS:
         if opt.attr not in values:
@@ -434,6 +444,27 @@ def load(argv: list[str] | None = None) -> Config:
             converted["web_config"] = webconfig.load(converted["web_config_file"])
         except WebConfigError as exc:
             errors += [f"--web.config.file: {line}" for line in exc.errors]
+    errors += _path_errors(converted, values)
     if errors:
         raise ConfigError(errors)
     return Config(**converted)
+
+
+def _path_errors(converted: dict, values: dict) -> list[str]:
+    """What is wrong with the paths given: a journal whose directory does not exist (the agent
+    creates only its default journal's directory: a typo must not become a new directory
+    tree) and a watch path that exists but is not a directory. A watch path that does not
+    exist yet is allowed (watched from when it appears: monitor.fs.watch); the agent warns."""
+    errors = []
+    journal = converted.get("journal_path")
+    if journal:
+        parent = os.path.dirname(journal)
+        # Only a missing one: a parent that is a file is the journal's own open error (1).
+        if not os.path.exists(parent):
+            errors.append(f"{values['journal_path'][0]}: the directory {parent} does not "
+                          "exist; create it first or give another path")
+    for path in converted.get("watch_paths") or ():
+        if os.path.exists(path) and not os.path.isdir(path):
+            errors.append(f"{values['watch_paths'][0]}: {path} is not a directory; give the "
+                          "directory the checkpoints are written to")
+    return errors

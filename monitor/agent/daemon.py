@@ -179,6 +179,10 @@ class Agent:
         except OSError as exc:
             raise StartError(f"cannot serve metrics on {config.listen_address}: "
                              f"{exc.strerror or exc}") from exc
+        for path in config.watch_paths:
+            if not os.path.isdir(path):
+                log.warning("--watch.path does not exist: nothing is watched there until "
+                            "it is created", extra={"fields": {"path": path}})
         if self.fs is not None:
             try:
                 self.fs.start()
@@ -437,9 +441,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = config.load(argv)
     except config.ConfigError as exc:
-        for line in exc.errors:
-            print(f"ckptwatch agent: {line}", file=sys.stderr)
-        print("ckptwatch agent: invalid configuration (see --help)", file=sys.stderr)
+        # One line per problem, the last pointing at the help: nothing else to read past.
+        for index, line in enumerate(exc.errors):
+            last = index == len(exc.errors) - 1
+            print(f"ckptwatch agent: {line}" + (" (see ckptwatch agent --help)" if last
+                                                else ""), file=sys.stderr)
         return 2
     except SystemExit as exc:   # --help
         return exc.code if isinstance(exc.code, int) else 0

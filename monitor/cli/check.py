@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from exporters.journal import read_records
 from monitor.cli import report
 from monitor.cli.journalview import summarize
+from monitor.cli.style import (NORMAL, VERBOSE, Painter, non_negative_float, verbosity)
 from monitor.cli.textfmt import keep_head, keep_tail, wrapped
 from monitor.cli.run import build_env
 from monitor.cli.launcher import AgentProcess
@@ -62,15 +63,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--watch.patterns", dest="watch_patterns", metavar="GLOBS",
                         help="file name patterns that count as checkpoints, comma-separated "
                         "(the agent's default: *.pt, *.pth, *.ckpt, *.safetensors, ...)")
-    parser.add_argument("--collision.settle", dest="settle", type=float, default=0.5,
-                        metavar="SECONDS", help="agent flag: quiet time before a collision "
-                        "is final (default 0.5 here: a CI job's saves are short)")
-    parser.add_argument("--collision.window", dest="window", type=float, default=None,
-                        metavar="SECONDS", help="agent flag: sequential writes of one path "
-                        "by one job run within this count as redundant (agent default 60)")
-    parser.add_argument("--verify.quiet", dest="verify_quiet", type=float, default=0.5,
-                        metavar="SECONDS", help="agent flag: quiet time before a finished "
-                        "checkpoint is verified (default 0.5 here)")
+    parser.add_argument("--collision.settle", dest="settle", type=non_negative_float,
+                        default=0.5, metavar="SECONDS", help="agent flag: quiet time "
+                        "before a collision is final (default 0.5 here: a CI job's saves are "
+                        "short)")
+    parser.add_argument("--collision.window", dest="window", type=non_negative_float,
+                        default=None, metavar="SECONDS", help="agent flag: sequential "
+                        "writes of one path by one job run within this count as redundant "
+                        "(agent default 60)")
+    parser.add_argument("--verify.quiet", dest="verify_quiet", type=non_negative_float,
+                        default=0.5, metavar="SECONDS", help="agent flag: quiet time "
+                        "before a finished checkpoint is verified (default 0.5 here)")
     parser.add_argument("--agent.flag", dest="agent_flags", action="append", default=[],
                         metavar="FLAG", help="any other agent flag, passed as is, e.g. "
                         "--agent.flag=--watch.mode=polling (repeatable)")
@@ -84,10 +87,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "records of an old one would count)")
     parser.add_argument("--keep", metavar="DIR", default=None,
                         help="keep the agent's journal (unless --journal) and log in DIR")
-    parser.add_argument("--timeout", type=float, default=120.0, metavar="SECONDS",
+    parser.add_argument("--timeout", type=non_negative_float, default=120.0, metavar="SECONDS",
                         help="how long, after CMD exits, to wait for the agent to judge "
                         "everything (default 120); if it passes, the check fails")
-    parser.add_argument("--idle", type=float, default=1.0, metavar="SECONDS",
+    parser.add_argument("--idle", type=non_negative_float, default=1.0, metavar="SECONDS",
                         help="how long the agent must hold nothing (no hook connected, no "
                         "write in flight, no verification to come) before its verdict is "
                         "taken (default 1.0: covers the file watcher's delivery delay)")
@@ -207,7 +210,12 @@ def _field(record: dict, name: str, width: int = 200) -> str:
     return keep_head(str(value), width) if value not in (None, "") else ""
 
 
-def render_table(outcome: Outcome, width: int = 80) -> str:
+VERDICT_COLOUR = {"unsafe": "bad", "incomplete": "bad", "command_failed": "warn", "safe": "good"}
+
+
+def render_table(outcome: Outcome, width: int = 80, paint=None, quiet: bool = False) -> str:
+    """The report for people; paint (style.Painter) colours the verdict line; quiet (-q):
+    only the verdict line when checkpointing was safe."""
     f = outcome.findings
     lines = []
     if f.collisions:
@@ -239,7 +247,12 @@ def render_table(outcome: Outcome, width: int = 80) -> str:
                "command_failed": "the command failed; checkpointing looked safe",
                "incomplete": "FAIL: the agent could not judge everything",
                "safe": "OK: no collision, hazard or corrupt checkpoint"}[outcome.verdict]
-    lines.append(f"ckptwatch check: {verdict} -> exit {outcome.exit_code}")
+    verdict = f"ckptwatch check: {verdict} -> exit {outcome.exit_code}"
+    if paint is not None:
+        verdict = paint(verdict, VERDICT_COLOUR[outcome.verdict])
+    if quiet and outcome.verdict == "safe":
+        lines = []
+    lines.append(verdict)
     return "\n".join(lines) + "\n"
 
 
@@ -292,7 +305,8 @@ def _in_terminal_foreground() -> bool:
 # ---------------------------------------------------------------------------- command
 
 def _usage_error(message: str, err) -> int:
-    print(f"ckptwatch check: {message}\nusage: {USAGE} (see ckptwatch check --help)", file=err)
+    print(f"ckptwatch check: {message} (usage: {USAGE}; see ckptwatch check --help)",
+          file=err)
     return EXIT_USAGE
 
 
@@ -423,9 +437,14 @@ def run(args, out=None, err=None) -> int:
         outcome = Outcome(cmd, status, findings, judged, incomplete,
                           journal=agent.journal if (args.journal or args.keep) else None,
                           log=agent.log_path if args.keep else None)
-        if not judged and not args.keep:
+        if (not judged or verbosity(args) >= VERBOSE) and not args.keep:
             print("ckptwatch check: agent log (tail):\n" + agent.log[-2000:], file=err)
-        text = render_json(outcome) if args.format == "json" else render_table(outcome)
+        if args.format == "json":
+            text = render_json(outcome)
+        else:
+            to_file = args.output and args.output != "-"
+            text = render_table(outcome, paint=None if to_file else Painter(err),
+                                quiet=verbosity(args) < NORMAL)
         _write(text, args, out, err)
         return outcome.exit_code
     finally:

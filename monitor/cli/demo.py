@@ -16,10 +16,19 @@ import time
 import urllib.request
 
 from monitor.cli.launcher import AgentProcess
+from monitor.cli.style import NORMAL, QUIET, VERBOSE, Painter
+
+# What -q keeps: the report and the verdicts on the checkpoints, not the steps before them.
+_level = [NORMAL]
 
 
-def _say(text: str = "") -> None:
-    print(text, flush=True)
+def _say(text: str = "", level: int = NORMAL) -> None:
+    if _level[0] >= level:
+        print(text, flush=True)
+
+
+class JobFailed(Exception):
+    """A demo job exited non-zero: the message names it and where its output is."""
 
 
 def _run_job(workdir: str, sock: str, nproc: int, mode: str, job: str) -> float:
@@ -32,11 +41,25 @@ def _run_job(workdir: str, sock: str, nproc: int, mode: str, job: str) -> float:
            "--nproc-per-node", str(nproc), "-m", "monitor.cli.demo_job", "--out", out, "--save", mode,
            "--width", "2048"]   # 32 MiB of weights: long enough saves to overlap for sure
     started = time.monotonic()
-    result = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
-    if result.returncode != 0:
-        raise RuntimeError(f"the {job} job failed (exit {result.returncode}):\n"
-                           + result.stdout[-3000:])
+    log_path = os.path.join(workdir, f"{job}.log")
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            code = proc.wait()
+        except KeyboardInterrupt:
+            # Ctrl-C: torchrun passes SIGTERM on to its workers (a SIGKILL would orphan them).
+            proc.terminate()
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            raise
+    if _level[0] >= VERBOSE:
+        with open(log_path, encoding="utf-8", errors="replace") as fh:
+            sys.stderr.write(fh.read()[-20000:])
+    if code != 0:
+        raise JobFailed(f"the {job} job failed (exit {code}); its output: {log_path}")
     return time.monotonic() - started
 
 
@@ -81,12 +104,30 @@ def _agent_verdict(journal: str, path: str) -> str | None:
     return None
 
 
-def run(nproc: int = 4, keep: bool = False) -> int:
+def run(nproc: int = 4, keep: bool = False, verbosity: int = NORMAL) -> int:
+    """The demo; 0 when it showed what it should, 1 when not or a job failed (one line; the
+    working directory is kept for its logs), 2 without torch. Ctrl-C stops the job and the
+    agent and removes the working directory (KeyboardInterrupt goes on to main: exit 130)."""
     import importlib.util
     if importlib.util.find_spec("torch") is None:
-        print("ckptwatch demo needs torch in this Python: pip install torch", file=sys.stderr)
+        print("ckptwatch demo: needs torch in this Python: pip install torch", file=sys.stderr)
         return 2
+    _level[0] = verbosity
     workdir = tempfile.mkdtemp(prefix="ckptwatch-demo-")
+    try:
+        return _demo(workdir, nproc)
+    except (JobFailed, RuntimeError) as exc:    # RuntimeError: the agent did not start
+        keep = True
+        print(f"ckptwatch demo: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        if not keep:
+            shutil.rmtree(workdir, ignore_errors=True)
+        else:
+            _say(f"\nkept: {workdir} (journal.jsonl, agent.log, checkpoints)")
+
+
+def _demo(workdir: str, nproc: int) -> int:
     _say(f"ckptwatch demo: a {nproc}-rank CPU job (torchrun, gloo) in which every rank saves")
     _say("to one checkpoint path, then the same job fixed. Working directory: " + workdir)
     agent = AgentProcess(workdir, "--collision.settle", "0.5", "--verify.quiet", "0.5",
@@ -109,35 +150,34 @@ def run(nproc: int = 4, keep: bool = False) -> int:
         while (not all(_agent_verdict(journal, p) for p in checkpoints)
                and time.monotonic() < deadline):
             time.sleep(0.2)
-        _say("[4/4] what ckptwatch saw\n")
+        paint = Painter(sys.stdout)
+        _say("[4/4] what ckptwatch saw\n", QUIET)
         from monitor.cli import report
         from monitor.cli.journalview import load
         collisions = load(journal)
-        _say(report.render_table(collisions, width=80))
-        _say("\nmetrics (" + url + "/metrics):")
+        _say(report.render_table(collisions, width=80), QUIET)
+        _say("\nmetrics (" + url + "/metrics):", QUIET)
         for line in _metric_lines(url):
-            _say("  " + line)
-        _say("\ncheckpoints on disk:")
+            _say("  " + line, QUIET)
+        _say("\ncheckpoints on disk:", QUIET)
         for job in ("buggy", "fixed"):
             path = os.path.join(workdir, job, "last.pt")
             hit = any(c["path"] == path for c in _collisions(journal))
-            _say(f"  {job}/last.pt: {'COLLISION reported' if hit else 'no collision reported'}")
-            _say(f"    {_load_verdict(path, hit)}")
+            seen = (paint("COLLISION reported", "bad") if hit
+                    else paint("no collision reported", "good"))
+            _say(f"  {job}/last.pt: {seen}", QUIET)
+            _say(f"    {_load_verdict(path, hit)}", QUIET)
             verdict = _agent_verdict(journal, path)
             if verdict:
-                _say(f"    {verdict}")
+                _say(f"    {verdict}", QUIET)
         buggy_hit = any(c["path"].endswith("/buggy/last.pt") for c in _collisions(journal))
         fixed_hit = any(c["path"].endswith("/fixed/last.pt") for c in _collisions(journal))
         if not buggy_hit or fixed_hit:
-            _say("\nunexpected: the demo did not see what it should (see agent.log)")
+            _say("\nunexpected: the demo did not see what it should (see agent.log)", QUIET)
             return 1
         _say("\nThe fix: guard the save with a global-rank-0 check, e.g.\n"
              "    if torch.distributed.get_rank() == 0:\n"
-             "        torch.save(state, path)")
+             "        torch.save(state, path)", QUIET)
         return 0
     finally:
         agent.close()
-        if not keep:
-            shutil.rmtree(workdir, ignore_errors=True)
-        else:
-            _say(f"\nkept: {workdir} (journal.jsonl, agent.log, checkpoints)")

@@ -26,17 +26,14 @@ from exporters.logline import clean
 from monitor.cli import tracebacks
 from monitor.cli.advice import suggest_fix
 from monitor.cli.journalview import PathHistory, path_history
-from monitor.cli.report import render_collision, report_journal_path
+from monitor.cli.report import check_journal_file, render_collision, report_journal_path
+from monitor.cli.style import VERBOSE, UsageError, verbosity
 from monitor.cli.textfmt import clock_time, keep_head, keep_tail, wrapped
 from monitor.detect.model import KIND_CONCURRENT
 
 EXIT_CLEAN, EXIT_COLLISION, EXIT_USAGE = 0, 1, 2
 MAX_LOG_BYTES = 32 * 1024 * 1024      # the end of a longer log: the failure is at the end
 WIDTH = 80
-
-
-class UsageError(Exception):
-    """One line for the user; exit 2."""
 
 
 # ---------------------------------------------------------------------------- inputs
@@ -112,6 +109,7 @@ def journal_list(names: list[str] | None) -> list[str]:
         for f in files:
             if not _regular(f):
                 raise UsageError(f"{clean(f)} is not a regular file")
+        check_journal_file(files[-1])       # /etc/passwd is no journal: say so, not "none"
         out.append(name)
     return out
 
@@ -302,6 +300,10 @@ def run(args, out=None, err=None, stdin=None) -> int:
     except UsageError as exc:
         print(f"ckptwatch diagnose: {exc}", file=err)
         return EXIT_USAGE
+    if verbosity(args) >= VERBOSE:
+        print(f"ckptwatch diagnose: read {read} of {total} bytes of "
+              f"{'standard input' if name == '-' else clean(name)}; journals: "
+              + (", ".join(clean(j) for j in journals) or "none"), file=err)
     answer = build(diagnosis, file, journals, history, "standard input" if name == "-"
                    else name, read, total)
     if args.format == "json":

@@ -1,14 +1,18 @@
-"""`ckptwatch lint PATH... [--format text|json] [--assume-distributed]`
+"""`ckptwatch lint PATH... [--format table|json] [--assume-distributed]`
 
 Finds checkpoint writes that more than one rank can reach (monitor/lint/) in Python files and
-prints them the way ruff and flake8 do, `path:line:col: CODE message`, or as a JSON list of
-{path, line, col, code, message}. Directories are searched recursively for *.py (hidden
+prints them the way ruff and flake8 do, `path:line:col: CODE message` (--format table, the
+human format's name in every command; `text`, its old name here, is still accepted), or as a
+JSON list of {path, line, col, code, message}. Like flake8 it prints nothing when clean; -v
+adds how many files it read (stderr). Directories are searched recursively for *.py (hidden
 directories, __pycache__, site-packages and node_modules skipped); files named on the command
 line are always read.
 
 Exit codes: 0 clean; 1 at least one finding (a file that cannot be parsed or read is a CKW999
-finding: it was not checked, so it must not pass as clean); 2 a usage error, such as a PATH
-that does not exist (reported on stderr; the other paths are still linted and printed).
+finding: it was not checked, so it must not pass as clean); 2 a usage error or an incomplete
+lint: a PATH that does not exist, a directory that cannot be listed (anywhere in the walk),
+or no Python file found at all (each one line on stderr; the other paths are still linted and
+printed). 2 wins over 1.
 
 What is read: regular files only, opened without blocking and judged on the descriptor (a
 `*.py` that is a FIFO, a device or a link to one is a CKW999 "not read" line, never a hang
@@ -29,6 +33,7 @@ import sys
 import tokenize
 
 from exporters.logline import clean
+from monitor.cli.style import VERBOSE, Painter, verbosity
 from monitor.cli.textfmt import human_bytes
 from monitor.lint import CODES, LintFinding, lint_source
 from monitor.lint.checker import UNREADABLE
@@ -50,8 +55,9 @@ def add_arguments(parser) -> None:
         + ". Suppress one line with `# ckptwatch: ignore[CODE]`. Exit 1 on findings.")
     parser.add_argument("paths", nargs="+", metavar="PATH",
                         help="Python files or directories (searched recursively for *.py)")
-    parser.add_argument("--format", choices=("text", "json"), default="text",
-                        help="output format (default text: path:line:col: CODE message)")
+    parser.add_argument("--format", choices=("table", "json", "text"), default="table",
+                        help="output format (default table: path:line:col: CODE message; "
+                             "text is the same as table)")
     parser.add_argument("--max-file-size", type=_mib, default=MAX_SOURCE_BYTES, metavar="MiB",
                         help="skip (as a CKW999 line) Python files larger than this "
                              f"(default {MAX_SOURCE_BYTES >> 20}; parsing takes 100-400x a "
@@ -61,10 +67,14 @@ def add_arguments(parser) -> None:
                              "several processes (helper modules imported by a training script)")
 
 
-def find_sources(paths):
+def find_sources(paths, errors=None):
     """(files, missing): Python files under paths in a stable order, and paths that do not
-    exist."""
+    exist. Directories that cannot be listed are appended to `errors` as (path, OSError)."""
     files, missing, seen = [], [], set()
+
+    def onerror(err):
+        if errors is not None:
+            errors.append((err.filename, err))
 
     def add(path):
         key = os.path.realpath(path)
@@ -76,7 +86,7 @@ def find_sources(paths):
         if not os.path.lexists(top):
             missing.append(top)
         elif os.path.isdir(top):
-            for root, dirs, names in os.walk(top):
+            for root, dirs, names in os.walk(top, onerror=onerror):
                 dirs[:] = sorted(d for d in dirs if not d.startswith(".") and d not in SKIP_DIRS)
                 for name in sorted(names):
                     if name.endswith(".py"):
@@ -151,9 +161,13 @@ def lint_file(path: str, assume_distributed: bool = False,
     return lint_source(source, path, assume_distributed=assume_distributed)
 
 
-def lint_paths(paths, assume_distributed: bool = False, max_bytes: int = MAX_SOURCE_BYTES):
-    """(findings, missing paths) for every Python file under paths."""
-    files, missing = find_sources(paths)
+def lint_paths(paths, assume_distributed: bool = False, max_bytes: int = MAX_SOURCE_BYTES,
+               errors=None, files_read=None):
+    """(findings, missing paths) for every Python file under paths. Directories that cannot
+    be listed go to `errors` (path, OSError); the files linted to `files_read`."""
+    files, missing = find_sources(paths, errors)
+    if files_read is not None:
+        files_read.extend(files)
     findings = []
     for path in files:
         findings.extend(lint_file(path, assume_distributed, max_bytes))
@@ -163,23 +177,40 @@ def lint_paths(paths, assume_distributed: bool = False, max_bytes: int = MAX_SOU
 def run(args, out=None, err=None) -> int:
     """Run `ckptwatch lint` with parsed args; returns the exit code."""
     out, err = out or sys.stdout, err or sys.stderr
+    unlisted, files = [], []
+    paint = Painter(out)
     try:
         findings, missing = lint_paths(args.paths, args.assume_distributed,
-                                       getattr(args, "max_file_size", MAX_SOURCE_BYTES))
+                                       getattr(args, "max_file_size", MAX_SOURCE_BYTES),
+                                       unlisted, files)
         for path in missing:
-            err.write(f"ckptwatch lint: {path}: no such file or directory\n")
+            err.write(f"ckptwatch lint: {clean(path)}: no such file or directory\n")
+        for path, error in unlisted:
+            err.write(f"ckptwatch lint: cannot read directory {clean(str(path))}: "
+                      f"{error.strerror or error}; its files were not linted (run as a user "
+                      "who can read it)\n")
+        if not files and not missing and not unlisted:
+            err.write(f"ckptwatch lint: no Python files under {clean(' '.join(args.paths))}; "
+                      "name .py files or directories holding them\n")
+        if verbosity(args) >= VERBOSE:
+            err.write(f"ckptwatch lint: read {len(files)} file(s), {len(findings)} "
+                      "finding(s)\n")
         if args.format == "json":
             json.dump([f.to_json() for f in findings], out, indent=2)
             out.write("\n")
         else:
             for finding in findings:
-                out.write(f"{clean(str(finding))}\n")
+                line = clean(str(finding))
+                if paint.enabled:
+                    line = line.replace(f" {finding.code} ",
+                                        f" {paint(finding.code, 'bad')} ", 1)
+                out.write(f"{line}\n")
         out.flush()
     except BrokenPipeError:
         # `ckptwatch lint . | head`: the reader left; stop quietly like other Unix tools.
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
-    if missing:
+    if missing or unlisted or not files:
         return EXIT_USAGE
     return EXIT_FINDINGS if findings else EXIT_OK
 

@@ -8,9 +8,12 @@ environment and execs) load none of the others: importing check, report, scan an
 from __future__ import annotations
 
 import argparse
+import difflib
+import os
 import sys
 
 from ckptwatch.version import __version__
+from monitor.cli import style
 
 DESCRIPTION = """\
 ckptwatch: catch concurrent torch.save writes to one checkpoint path, and say who did it.
@@ -26,13 +29,46 @@ ckptwatch: catch concurrent torch.save writes to one checkpoint path, and say wh
 """
 
 
-def _agent(argv: list[str]) -> int:
-    from monitor.agent import daemon
+def agent_main(argv: list[str]) -> int:
+    """`ckptwatch agent` and `python agent.py`. The daemon needs the agent's dependencies
+    (psutil, watchdog, prometheus-client, ...): without them --version still answers and
+    anything else is one line saying what to install, not an ImportError's traceback."""
+    try:
+        from monitor.agent import daemon
+    except ModuleNotFoundError as exc:
+        if "--version" in argv:
+            print(f"ckptwatch {__version__}")
+            return 0
+        print(f"ckptwatch agent: the Python package {exc.name!r} is not installed in "
+              f"{sys.executable}; install ckptwatch with its dependencies (`pip install .` "
+              "in the checkout)", file=sys.stderr)
+        return style.EXIT_USAGE
     return daemon.main(argv)
 
 
-class _Subparser(argparse.ArgumentParser):
-    """Every subcommand: exact flag names only, and --version."""
+class _Parser(argparse.ArgumentParser):
+    """A usage error is one line: what is wrong and where the help is (argparse's default is
+    the whole usage and then the message), exit 2. An unknown flag close to a known one names
+    it."""
+
+    def error(self, message: str):
+        self.exit(style.EXIT_USAGE, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+    def unknown(self, extras: list[str]):
+        message = "unrecognized arguments: " + " ".join(extras)
+        flags = [s for s in self._option_string_actions if s.startswith("--")]
+        for extra in extras:
+            close = difflib.get_close_matches(extra.split("=", 1)[0], flags, n=1)
+            if extra.startswith("--") and close:
+                message += f"; did you mean {close[0]}?"
+                break
+        self.error(message)
+
+
+class _Subparser(_Parser):
+    """Every subcommand: exact flag names only, --version, -q/-v, and its own usage errors
+    (argparse hands a subcommand's unknown flags up to `ckptwatch`, whose error showed the
+    top-level usage for `ckptwatch report --jurnal x`)."""
 
     def __init__(self, *args, **kwargs):
         kwargs["allow_abbrev"] = False
@@ -40,6 +76,13 @@ class _Subparser(argparse.ArgumentParser):
         if kwargs.get("add_help", True):        # not `agent`: it forwards its arguments
             self.add_argument("--version", action="version",
                               version=f"ckptwatch {__version__}")
+            style.add_verbosity(self)
+
+    def parse_known_args(self, args=None, namespace=None):
+        namespace, extras = super().parse_known_args(args, namespace)
+        if extras:
+            self.unknown(extras)
+        return namespace, extras
 
 
 def _check_module():
@@ -67,6 +110,9 @@ def _diagnose_module():
     return diagnose
 
 
+# Ranks `ckptwatch demo` starts at most: each is a Python process with torch (~300 MB).
+MAX_DEMO_RANKS = 16
+
 # The subcommands whose options live in their own module (add_arguments(parser)).
 _OPTIONS_FROM = {"check": _check_module, "report": _report_module, "scan": _scan_module,
                  "lint": _lint_module, "diagnose": _diagnose_module}
@@ -83,7 +129,7 @@ def build_parser(detailed=tuple(_OPTIONS_FROM)) -> argparse.ArgumentParser:
     their modules); main() passes only the one it runs, so the others stay unimported."""
     # allow_abbrev=False everywhere: an abbreviated flag (--jour for --journal) must be an
     # error, not a silent guess that breaks when a longer flag is added.
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="ckptwatch", description=DESCRIPTION, allow_abbrev=False,
         formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"ckptwatch {__version__}")
@@ -140,33 +186,58 @@ def build_parser(detailed=tuple(_OPTIONS_FROM)) -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="start a private agent, run a colliding 4-rank CPU job "
                           "and its fixed version, print what ckptwatch saw")
-    demo.add_argument("--nproc", type=int, default=4, help="ranks in the demo job (default 4)")
+    demo.add_argument("--nproc", type=style.int_range(2, MAX_DEMO_RANKS), default=4,
+                      help=f"ranks in the demo job, 2 to {MAX_DEMO_RANKS} (default 4; one "
+                      "rank cannot collide with itself, and each rank is a Python process "
+                      "with torch loaded)")
     demo.add_argument("--keep", action="store_true",
                       help="keep the demo's working directory (journal, checkpoints)")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command. A user's mistake (style.UsageError) is one line and exit 2; Ctrl-C is
+    one line and exit 130; a reader that leaves (`| head`) ends the output quietly."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "agent":
-        return _agent(argv[1:])
+        return agent_main(argv[1:])
     command = _command(argv)
+    prog = f"ckptwatch {command}" if command in _COMMANDS else "ckptwatch"
+    try:
+        return _run(argv, command)
+    except style.UsageError as exc:
+        print(f"{prog}: {exc}", file=sys.stderr)
+        return style.EXIT_USAGE
+    except KeyboardInterrupt:
+        print(f"\n{prog}: interrupted", file=sys.stderr)
+        return style.EXIT_INTERRUPTED
+    except BrokenPipeError:
+        # The reader left: stop quietly like other Unix tools (no second error at exit).
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 0
+
+
+_COMMANDS = ("run", "check", "report", "scan", "lint", "diagnose", "demo")
+
+
+def _run(argv: list[str], command: str | None) -> int:
     parser = build_parser(detailed=[command] if command in _OPTIONS_FROM else [])
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
-        return 2
+        return style.EXIT_USAGE
     if args.command == "run":
         from monitor.cli import run as runner
         cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
-        return runner.run(cmd, socket=args.socket)
+        return runner.run(cmd, socket=args.socket, verbosity=style.verbosity(args))
     if args.command in _OPTIONS_FROM:
         return _OPTIONS_FROM[args.command]().run(args)
     if args.command == "demo":
         from monitor.cli import demo
-        return demo.run(nproc=args.nproc, keep=args.keep)
+        return demo.run(nproc=args.nproc, keep=args.keep, verbosity=style.verbosity(args))
     parser.error(f"unknown command {args.command}")
-    return 2
+    return style.EXIT_USAGE
 
 
 if __name__ == "__main__":

@@ -14,13 +14,15 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import sys
 import time
 
-from exporters.journal import SYSTEM_JOURNAL_PATH, default_journal_path
+from exporters.journal import SYSTEM_JOURNAL_PATH, default_journal_path, journal_files
 from exporters.logline import call_sites, clean
 from monitor.cli.advice import FIX, suggest_fix
 from monitor.cli.journalview import JournalSummary, summarize
+from monitor.cli.style import NORMAL, VERBOSE, Painter, UsageError, verbosity
 from monitor.cli.textfmt import clock_time, human_bytes, keep_head, keep_tail, wrapped
 from monitor.detect.model import KIND_CONCURRENT, Collision, Write
 
@@ -215,30 +217,86 @@ def add_arguments(parser) -> None:
                         help="write the report to FILE instead of standard output")
 
 
+# How much of a journal's first file is read to tell a journal from another file.
+SNIFF_BYTES = 64 * 1024
+
+
+def check_journal_file(path: str) -> None:
+    """Raise UsageError unless `path` (the newest of a journal's files that exist) is a
+    regular file whose first lines include a journal record, or empty (an agent that has
+    recorded nothing yet). A device or FIFO is refused, never read: /dev/zero has no end."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    except OSError as exc:
+        raise UsageError(f"cannot read journal {clean(path)}: {exc.strerror or exc}; run as "
+                         "a user who can read it (the agent's journal is mode 0640)") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise UsageError(f"{clean(path)} is not a regular file; pass the agent's journal "
+                             "(its --journal.path) or a directory of *.jsonl journals")
+        head = os.read(fd, SNIFF_BYTES)
+    except OSError as exc:
+        raise UsageError(f"cannot read journal {clean(path)}: {exc.strerror or exc}") from None
+    finally:
+        os.close(fd)
+    lines = [line for line in head.split(b"\n")[:-1 if len(head) == SNIFF_BYTES else None]
+             if line.strip()]
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and isinstance(record.get("type"), str):
+            return
+    if lines or head.strip():
+        raise UsageError(f"{clean(path)} is not a ckptwatch journal (none of its first lines "
+                         "is a journal record); pass the agent's --journal.path")
+
+
+def journal_paths(journals: list) -> list:
+    """The journal files the --journal arguments name (a directory: its *.jsonl), each
+    checked; UsageError (one line, what to do) for one that is missing, unreadable or not a
+    journal."""
+    paths = []
+    for journal in journals:
+        if os.path.isdir(journal):
+            try:
+                names = os.listdir(journal)
+            except OSError as exc:
+                raise UsageError(f"cannot read directory {clean(journal)}: "
+                                 f"{exc.strerror or exc}; run as a user who can read it")
+            found = sorted(os.path.join(journal, name) for name in names
+                           if name.endswith(".jsonl"))
+            if not found:
+                raise UsageError(f"no *.jsonl journal in directory {clean(journal)}; pass "
+                                 "the agent's --journal.path or the directory holding it")
+        else:
+            found = [journal]
+        for path in found:
+            files = journal_files(path)
+            if not files:
+                raise UsageError(f"no journal at {clean(path)} (is the agent running with "
+                                 "--journal.path? pass --journal PATH)")
+            check_journal_file(files[-1])
+        paths += found
+    return paths
+
+
 def run(args, out=None, err=None) -> int:
-    """Print the report; 0 when produced (collisions or not), 2 without a readable journal."""
+    """Print the report; 0 when produced (collisions or not), 2 without a readable journal
+    (UsageError from the checks; a failure to read later is one line and 2 as well)."""
     out = out or sys.stdout
     err = err or sys.stderr
     journals = getattr(args, "journal", None) or [report_journal_path()]
     if isinstance(journals, str):
         journals = [journals]
     fmt = getattr(args, "format", "table") or "table"
-    paths = []
-    for journal in journals:
-        if os.path.isdir(journal):
-            found = sorted(os.path.join(journal, name) for name in os.listdir(journal)
-                           if name.endswith(".jsonl"))
-            if not found:
-                print(f"ckptwatch report: no *.jsonl journal in directory {journal}", file=err)
-                return EXIT_NO_JOURNAL
-            paths += found
-            continue
-        if not os.path.exists(journal) and not any(
-                os.path.exists(f"{journal}.{i}") for i in range(1, 4)):
-            print(f"ckptwatch report: no journal at {journal} (is the agent running with "
-                  f"--journal.path? pass --journal PATH)", file=err)
-            return EXIT_NO_JOURNAL
-        paths.append(journal)
+    level = verbosity(args)
+    try:
+        paths = journal_paths(journals)
+    except UsageError as exc:
+        print(f"ckptwatch report: {exc}", file=err)
+        return EXIT_NO_JOURNAL
     journal = paths[0] if len(paths) == 1 else f"{len(paths)} journals"
     try:
         summary = summarize(paths[0] if len(paths) == 1 else paths, details=(fmt == "html"))
@@ -246,17 +304,29 @@ def run(args, out=None, err=None) -> int:
         print(f"ckptwatch report: cannot read journal {journal}: {exc.strerror or exc}",
               file=err)
         return EXIT_NO_JOURNAL
+    if level >= VERBOSE:
+        print(f"ckptwatch report: read {summary.files} file(s) of {len(paths)} journal(s): "
+              + ", ".join(clean(p) for p in paths), file=err)
+    output = getattr(args, "output", None)
+    to_stdout = not output or output == "-"
     if fmt == "json":
         text = render_json(summary.collisions, summary.hazards) + "\n"
     elif fmt == "html":
         from monitor.cli.timeline import render_html    # only for html: its own imports
         text = render_html(summary)
     else:
+        paint = Painter(out if to_stdout else None)
+        closing = summary_line(summary, journal)
+        if level < NORMAL:
+            closing = ""            # -q: the collisions and hazards only
+        elif paint.enabled:
+            closing = paint(closing, "bad" if summary.collisions else "good")
         text = (render_table(summary.collisions) + "\n\n" if summary.collisions else "") \
             + (render_hazards(summary.hazards) + "\n\n" if summary.hazards else "") \
-            + summary_line(summary, journal) + "\n"
-    output = getattr(args, "output", None)
-    if not output or output == "-":
+            + (closing + "\n" if closing else "")
+        if level < NORMAL:
+            text = text.rstrip("\n") + "\n" if text.strip() else ""
+    if to_stdout:
         out.write(text)
         return EXIT_OK
     try:
@@ -265,5 +335,6 @@ def run(args, out=None, err=None) -> int:
     except OSError as exc:
         print(f"ckptwatch report: cannot write {output}: {exc.strerror or exc}", file=err)
         return EXIT_NO_JOURNAL
-    print(f"ckptwatch report: wrote {output}", file=err)
+    if level >= NORMAL:
+        print(f"ckptwatch report: wrote {output}", file=err)
     return EXIT_OK

@@ -33,9 +33,10 @@ def build_env(environ, socket: str | None = None) -> dict:
     return env
 
 
-def run(argv: list[str], socket: str | None = None) -> int:
+def run(argv: list[str], socket: str | None = None, verbosity: int = 1) -> int:
     """Exec argv with the hook active. Returns only on error: 2 without a command, 127 when
-    the command is not found, 126 when it cannot be executed."""
+    the command is not found, 126 when it cannot be executed. verbosity >= 2 (-v): say on
+    stderr what the command gets (the bootstrap directory, the socket)."""
     if argv and argv[0] == "--":
         argv = argv[1:]
     if not argv:
@@ -46,6 +47,9 @@ def run(argv: list[str], socket: str | None = None) -> int:
     if shutil.which(argv[0], path=env.get("PATH")) is None and not os.path.exists(argv[0]):
         print(f"ckptwatch run: command not found: {argv[0]}", file=sys.stderr)
         return EXIT_NOT_FOUND
+    if verbosity >= 2:
+        print(f"ckptwatch run: PYTHONPATH starts with {BOOTSTRAP_DIR}; events go to "
+              f"{env.get(paths.SOCKET_ENV) or paths.default_socket_path()}", file=sys.stderr)
     sys.stdout.flush()
     sys.stderr.flush()
     try:

@@ -6,11 +6,15 @@ found in the directories walked (a torch.distributed.checkpoint directory, a Hug
 sharded checkpoint: monitor/verify/sets.py), then a summary. Readable in 80 columns; a progress
 bar goes to stderr, only when stderr is a terminal.
 
-Exit codes: 0 nothing corrupt; 1 at least one corrupt file or set; 2 a usage error. A PATH
-that does not exist is a usage error: it is reported on stderr, the other paths are still scanned and
-reported, and the exit code is 2 (the scan is incomplete, so it must not pass as clean).
-Files or directories that cannot be read are listed as "unverifiable" with the OS error and
-counted in the summary; they do not change the exit code by themselves.
+Exit codes: 0 nothing corrupt; 1 at least one corrupt file or set; 2 a usage error or an
+incomplete scan, which must not pass as clean: a PATH that does not exist, no checkpoint
+file found at all, a file named on the
+command line that could not be verified (unreadable, a symbolic link loop, a device or FIFO,
+not in a checkpoint format scan knows), or a file or directory in a walked tree that could
+not be read (permission denied, an I/O error). Each is one line on stderr saying what to do;
+the other paths are still scanned and reported. In a walked tree, what scan does not read by
+design (a FIFO, a device, a link out of the tree) or cannot judge (a file matching --include
+in no known format) is listed as "unverifiable" and leaves the exit code alone. 2 wins over 1.
 
 What scan reads (it is often run as root over shared storage others can write): only regular
 files, opened without blocking and checked on the open descriptor (a FIFO, a device or a
@@ -29,6 +33,7 @@ The CLI wires it in with add_arguments(parser) and run(args).
 """
 from __future__ import annotations
 
+import errno
 import fnmatch
 import json
 import os
@@ -41,6 +46,7 @@ from dataclasses import dataclass
 from monitor.verify import crc
 from monitor.verify import integrity
 from monitor.verify import sets as checkpoint_sets
+from monitor.cli.style import NORMAL, VERBOSE, Painter, positive_float, verbosity
 from monitor.cli.textfmt import human_bytes
 from monitor.verify.fileio import kind_of
 from exporters.logline import clean
@@ -63,6 +69,27 @@ class Result:
     verdict: integrity.Verdict
     seconds: float = 0.0
     is_set: bool = False
+    named: bool = False         # named on the command line (not found in a walk)
+
+    @property
+    def unread(self) -> str:
+        """Why this result leaves the scan incomplete (exit 2), or "": a file named on the
+        command line that was not verified, or anything whose read failed with an OS error
+        (a file gone since the walk, ENOENT, is not: there is nothing left to verify)."""
+        v = self.verdict
+        if v.status != integrity.UNVERIFIABLE or self.is_set:
+            return ""
+        code = v.details.get("errno") if isinstance(v.details, dict) else None
+        if code == errno.EACCES or code == errno.EPERM:
+            return "run scan as a user who can read it"
+        if code == errno.ELOOP and self.named:
+            return "a symbolic link loop: name the file it should lead to"
+        if code is not None and code != errno.ENOENT:
+            return "the scan could not read it"
+        if self.named:
+            return ("name a checkpoint file (torch.save, safetensors) or a directory "
+                    "holding checkpoints")
+        return ""
 
     def to_json(self) -> dict:
         v = self.verdict
@@ -92,8 +119,8 @@ def add_arguments(parser) -> None:
                         help="file name pattern to verify in directories, repeatable "
                              f"(default: {' '.join(DEFAULT_PATTERNS)}); files named on the "
                              "command line are always verified")
-    parser.add_argument("--max-rate", type=float, metavar="MiB/s", default=None,
-                        help="cap the --deep read rate (default: no cap)")
+    parser.add_argument("--max-rate", type=positive_float, metavar="MiB/s", default=None,
+                        help="cap the --deep read rate, a number > 0 (default: no cap)")
 
 
 @dataclass(frozen=True)
@@ -196,7 +223,7 @@ def scan(paths, deep=False, patterns=DEFAULT_PATTERNS, max_bytes_per_second=None
     for (path, err) in errors:
         result = Result(path, None, integrity.Verdict(
             integrity.UNVERIFIABLE, integrity.FMT_UNKNOWN,
-            f"cannot read directory: {err.strerror or err}"))
+            f"cannot read directory: {err.strerror or err}", {"errno": err.errno}))
         results.append(result)
         if on_result:
             on_result(result)
@@ -212,7 +239,8 @@ def scan(paths, deep=False, patterns=DEFAULT_PATTERNS, max_bytes_per_second=None
                                        max_bytes_per_second=max_bytes_per_second,
                                        name=target.path, follow_symlinks=target.follow,
                                        identity=target.identity)
-        result = Result(target.path, size, verdict, time.monotonic() - started)
+        result = Result(target.path, size, verdict, time.monotonic() - started,
+                        named=target.follow)
         results.append(result)
         verdicts[os.path.realpath(target.path)] = verdict
         done_bytes += size or 0
@@ -244,7 +272,7 @@ def scan(paths, deep=False, patterns=DEFAULT_PATTERNS, max_bytes_per_second=None
 
 
 def exit_code(results, missing) -> int:
-    if missing:
+    if missing or not results or any(r.unread for r in results):
         return EXIT_USAGE
     if any(r.verdict.status == integrity.CORRUPT for r in results):
         return EXIT_CORRUPT
@@ -265,15 +293,18 @@ def run(args, out=None, err=None) -> int:
 def _run(args, out, err) -> int:
     patterns = tuple(args.include) if args.include else DEFAULT_PATTERNS
     rate = args.max_rate * (1 << 20) if getattr(args, "max_rate", None) else None
-    bar = ProgressBar(err) if args.format == "table" and _isatty(err) else None
+    level = verbosity(args)
+    table = args.format == "table"
+    bar = ProgressBar(err) if table and level >= NORMAL and _isatty(err) else None
+    paint = Painter(out)
     started = time.monotonic()
 
     def show(result):
-        if args.format != "table":
+        if not table or (level < NORMAL and result.verdict.status == integrity.OK):
             return
         if bar:
             bar.clear()
-        out.write(format_line(result))
+        out.write(format_line(result, paint))
         out.flush()
 
     results, missing = scan(args.paths, deep=args.deep, patterns=patterns,
@@ -283,17 +314,27 @@ def _run(args, out, err) -> int:
         bar.clear()
     elapsed = time.monotonic() - started
     for path in missing:
-        err.write(f"ckptwatch scan: {path}: no such file or directory\n")
+        err.write(f"ckptwatch scan: {clean(path)}: no such file or directory\n")
+    for r in results:
+        if r.unread:
+            err.write(f"ckptwatch scan: {clean(r.path)}: {clean(r.verdict.reason)}; "
+                      f"{r.unread}\n")
+    if not results and not missing:
+        err.write(f"ckptwatch scan: no checkpoint files under {clean(' '.join(args.paths))} "
+                  f"(patterns: {' '.join(patterns)}); name the files, or add --include GLOB\n")
+    if level >= VERBOSE:
+        s = summary(results, elapsed, args.deep)
+        err.write(f"ckptwatch scan: read {s['files']} file(s), {human_bytes(s['bytes'])}, "
+                  f"in {elapsed:.2f}s (patterns: {' '.join(patterns)})\n")
     if args.format == "json":
         json.dump({"files": [r.to_json() for r in results if not r.is_set],
                    "sets": [r.to_json() for r in results if r.is_set],
                    "summary": summary(results, elapsed, args.deep),
-                   "missing": missing, "exit_code": exit_code(results, missing)},
+                   "missing": missing, "unread": [r.path for r in results if r.unread],
+                   "exit_code": exit_code(results, missing)},
                   out, indent=2)
         out.write("\n")
-    else:
-        if not results:
-            out.write("no checkpoint files found (patterns: " + " ".join(patterns) + ")\n")
+    elif level >= NORMAL:
         out.write(summary_line(results, elapsed, args.deep, missing))
     return exit_code(results, missing)
 
@@ -302,11 +343,18 @@ def _run(args, out, err) -> int:
 
 
 
-def format_line(result: Result) -> str:
-    """`corrupt       torch-zip      32.1MiB  path` and the reason wrapped below, in 80 cols."""
+STATUS_COLOUR = {integrity.OK: "good", integrity.CORRUPT: "bad", integrity.UNVERIFIABLE: "warn"}
+
+
+def format_line(result: Result, paint=None) -> str:
+    """`corrupt       torch-zip      32.1MiB  path` and the reason wrapped below, in 80 cols;
+    paint (style.Painter) colours the status."""
     v = result.verdict
     path = clean(result.path) + ("/ (set)" if result.is_set else "")
-    line = f"{v.status:<12} {v.format:<12} {human_bytes(result.size):>9}  {path}\n"
+    status = f"{v.status:<12}"
+    if paint is not None:
+        status = paint(v.status, STATUS_COLOUR.get(v.status, "")) + status[len(v.status):]
+    line = f"{status} {v.format:<12} {human_bytes(result.size):>9}  {path}\n"
     if v.reason:
         line += textwrap.fill(clean(v.reason), WIDTH, initial_indent="    ",
                               subsequent_indent="    ", break_on_hyphens=False) + "\n"
