@@ -444,27 +444,26 @@ def load(argv: list[str] | None = None) -> Config:
             converted["web_config"] = webconfig.load(converted["web_config_file"])
         except WebConfigError as exc:
             errors += [f"--web.config.file: {line}" for line in exc.errors]
-    errors += _path_errors(converted, values)
     if errors:
         raise ConfigError(errors)
     return Config(**converted)
 
 
-def _path_errors(converted: dict, values: dict) -> list[str]:
-    """What is wrong with the paths given: a journal whose directory does not exist (the agent
-    creates only its default journal's directory: a typo must not become a new directory
-    tree) and a watch path that exists but is not a directory. A watch path that does not
-    exist yet is allowed (watched from when it appears: monitor.fs.watch); the agent warns."""
+def path_problems(cfg: Config) -> list[str]:
+    """What is wrong, on this machine, with the paths a config names (load() checks only the
+    config itself: the deploy tests parse a DaemonSet's flags where /var/lib/ckptwatch is
+    not). A journal other than the default whose directory does not exist (the agent creates
+    only its default journal's directory: a typo must not become a new directory tree), and a
+    watch path that exists but is not a directory. A watch path that does not exist yet is allowed (watched
+    from when it appears: monitor.fs.watch); the agent warns at start."""
     errors = []
-    journal = converted.get("journal_path")
-    if journal:
-        parent = os.path.dirname(journal)
-        # Only a missing one: a parent that is a file is the journal's own open error (1).
-        if not os.path.exists(parent):
-            errors.append(f"{values['journal_path'][0]}: the directory {parent} does not "
-                          "exist; create it first or give another path")
-    for path in converted.get("watch_paths") or ():
+    parent = os.path.dirname(cfg.journal_path)
+    # Only a missing one: a parent that is a file is the journal's own open error (exit 1).
+    if cfg.journal_path != default_journal_path() and not os.path.exists(parent):
+        errors.append(f"--journal.path: the directory {parent} does not exist; create it "
+                      "first or give another path")
+    for path in cfg.watch_paths:
         if os.path.exists(path) and not os.path.isdir(path):
-            errors.append(f"{values['watch_paths'][0]}: {path} is not a directory; give the "
-                          "directory the checkpoints are written to")
+            errors.append(f"--watch.path: {path} is not a directory; give the directory the "
+                          "checkpoints are written to")
     return errors

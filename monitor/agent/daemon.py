@@ -440,6 +440,9 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         cfg = config.load(argv)
+        problems = config.path_problems(cfg)
+        if problems:
+            raise config.ConfigError(problems)
     except config.ConfigError as exc:
         # One line per problem, the last pointing at the help: nothing else to read past.
         for index, line in enumerate(exc.errors):
