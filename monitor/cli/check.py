@@ -330,6 +330,9 @@ def _validate(args, cmd: list, err) -> int | None:
     for path in args.watch_paths:
         if not os.path.isdir(path):
             return _usage_error(f"--watch.path {path}: not a directory", err)
+    if args.journal and not os.path.isdir(os.path.dirname(os.path.abspath(args.journal))):
+        return _usage_error(f"--journal {args.journal}: its directory does not exist; create "
+                            "it first (a typo must not become a directory tree)", err)
     journal = args.journal or (os.path.join(args.keep, "journal.jsonl") if args.keep else None)
     if journal and os.path.exists(journal) and os.path.getsize(journal) > 0:
         return _usage_error(f"the journal {journal} exists already; its records would count: "
@@ -372,8 +375,6 @@ def run(args, out=None, err=None) -> int:
         os.makedirs(args.keep, exist_ok=True)
     workdir = args.keep or tempfile.mkdtemp(prefix="ckptwatch-check-")
     journal = os.path.abspath(args.journal) if args.journal else None
-    if journal:
-        os.makedirs(os.path.dirname(journal), exist_ok=True)
     agent = AgentProcess(workdir, *_agent_flags(args), log_level="info", journal=journal,
                          die_with_parent=True)
     env = build_env(os.environ, agent.socket)

@@ -33,7 +33,7 @@ import sys
 import tokenize
 
 from exporters.logline import clean
-from monitor.cli.style import VERBOSE, Painter, verbosity
+from monitor.cli.style import VERBOSE, Painter, positive_float, verbosity
 from monitor.cli.textfmt import human_bytes
 from monitor.lint import CODES, LintFinding, lint_source
 from monitor.lint.checker import UNREADABLE
@@ -139,14 +139,8 @@ def read_source(path: str, limit: int = MAX_SOURCE_BYTES) -> str:
 
 
 def _mib(text: str) -> int:
-    import argparse
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number of MiB, got {text!r}")
-    return int(value * (1 << 20))
+    """--max-file-size: a finite number of MiB > 0, as bytes."""
+    return int(positive_float(text) * (1 << 20))
 
 
 def lint_file(path: str, assume_distributed: bool = False,

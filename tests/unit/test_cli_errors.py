@@ -118,6 +118,8 @@ CASES = {
     "lint-no-python": (["lint", "{d}/docs"], False, "no Python files under"),
     "lint-bad-size": (["lint", "--max-file-size", "-1", "{d}/docs"], False,
                       "argument --max-file-size"),
+    "lint-infinite-size": (["lint", "--max-file-size", "1e400", "{d}/docs"], False,
+                           "argument --max-file-size: expected a number > 0, got '1e400'"),
     "lint-misspelt-flag": (["lint", "--formt", "json", "{d}/docs"], False,
                            "did you mean --format?"),
     # demo: numbers checked before anything starts
@@ -130,6 +132,9 @@ CASES = {
     "check-negative-timeout": (["check", "--timeout", "-1", "--", "true"], False,
                                "argument --timeout: expected a number >= 0"),
     "check-no-command": (["check", "--"], False, "no command given"),
+    "check-journal-in-a-missing-directory": (["check", "--journal", "{d}/no/such/j.jsonl",
+                                              "--", "true"], False,
+                                             "its directory does not exist"),
     "diagnose-not-a-journal": (["diagnose", "{d}/README.md", "--journal", "{d}/passwd"],
                                False, "is not a ckptwatch journal"),
     "diagnose-missing-log": (["diagnose", "{d}/no-such.log"], False, "cannot read"),
@@ -149,6 +154,7 @@ def test_a_mistake_is_exit_2_and_one_line(case, place):
     assert says.format(d=place) in line, line
     prefix = "ckptwatch" if case == "unknown-command" else f"ckptwatch {args[0]}:"
     assert line.startswith(prefix), line
+    assert not os.path.exists(os.path.join(place, "no")), "a directory was created"
 
 
 def test_a_usage_error_names_the_subcommands_help_not_the_top_level_usage():
