@@ -157,3 +157,16 @@ def test_run_v_says_where_events_go():
     result = piped("run", "-v", "--socket", "/tmp/x.sock", "--", sys.executable, "-c", "pass")
     assert result.returncode == 0
     assert "events go to /tmp/x.sock" in result.stderr
+
+
+def test_check_colours_its_verdict_and_q_keeps_only_it():
+    """check's report goes to stderr, after CMD's output: on a terminal its verdict line is
+    coloured; -q leaves only that line when checkpointing was safe."""
+    code, shown = on_terminal("check", "-q", "--", sys.executable, "-c", "pass",
+                              env=_env(), timeout=180)
+    assert code == 0, shown
+    assert f"{ESC}32mckptwatch check: OK: no collision" in shown
+    assert "command exit 0" not in shown
+    result = piped("check", "--", sys.executable, "-c", "pass", env=_env())
+    assert result.returncode == 0 and ESC not in result.stderr
+    assert "ckptwatch check: command exit 0" in result.stderr
