@@ -151,7 +151,7 @@ def _demo(workdir: str, nproc: int) -> int:
                and time.monotonic() < deadline):
             time.sleep(0.2)
         paint = Painter(sys.stdout)
-        _say("[4/4] what ckptwatch saw\n", QUIET)
+        _say("[4/4] what ckptwatch saw\n")
         from monitor.cli import report
         from monitor.cli.journalview import load
         collisions = load(journal)
