@@ -216,6 +216,15 @@ def main(argv: list[str] | None = None) -> int:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         return 0
+    except Exception as exc:      # a bug, not the user's mistake: one line, -v shows it all
+        if "-v" in argv or "--verbose" in argv:
+            raise
+        detail = str(exc).splitlines()[0][:200] if str(exc) else ""
+        print(f"{prog}: internal error: {type(exc).__name__}"
+              + (f": {detail}" if detail else "")
+              + f" (a bug in ckptwatch; run it again with -v for the traceback)",
+              file=sys.stderr)
+        return style.EXIT_INTERNAL
 
 
 _COMMANDS = ("run", "check", "report", "scan", "lint", "diagnose", "demo")

@@ -21,6 +21,7 @@ import os
 
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130          # 128 + SIGINT, as a shell reports a Ctrl-C'd command
+EXIT_INTERNAL = 70              # EX_SOFTWARE (sysexits.h): a bug, not 1 (findings) or 2
 
 QUIET, NORMAL, VERBOSE = 0, 1, 2
 

@@ -63,12 +63,15 @@ def place():
         fh.write(b"PK\x03\x04 whatever")
     os.chmod(os.path.join(top, "secret.pt"), 0)
     os.symlink("loop.pt", os.path.join(top, "loop.pt"))
-    for name in ("locked", "tree/locked", "empty", "docs"):
+    for name in ("locked", "tree/locked", "empty", "docs", "walk"):
         os.makedirs(os.path.join(top, name))
     with open(os.path.join(top, "locked", "train.py"), "w") as fh:
         fh.write("import torch\ntorch.save({}, 'x.pt')\n")
     with open(os.path.join(top, "tree", "locked", "last.pt"), "wb") as fh:
         fh.write(b"")
+    with open(os.path.join(top, "walk", "secret.pt"), "wb") as fh:
+        fh.write(b"PK\x03\x04 whatever")
+    os.chmod(os.path.join(top, "walk", "secret.pt"), 0)
     with open(os.path.join(top, "docs", "notes.txt"), "w") as fh:
         fh.write("no python here\n")
     os.chmod(os.path.join(top, "locked"), 0)
@@ -110,6 +113,8 @@ CASES = {
     "scan-not-a-checkpoint": (["scan", "{d}/README.md"], False,
                               "README.md: not a known checkpoint format; name a checkpoint"),
     "scan-nothing-found": (["scan", "{d}/empty"], False, "no checkpoint files under"),
+    "scan-unreadable-file-in-a-walk": (["scan", "{d}/walk"], True,
+                                       "secret.pt: cannot read: Permission denied"),
     "scan-unreadable-subdir": (["scan", "{d}/tree"], True,
                                "cannot read directory: Permission denied"),
     # lint
@@ -177,7 +182,7 @@ def test_scan_still_reports_the_other_paths_of_an_incomplete_scan(place):
 def test_scan_of_a_walked_tree_leaves_what_it_does_not_read_by_design_alone(place):
     """In a walked directory, a FIFO named like a checkpoint is listed, not waited on, and
     does not make the scan incomplete (only a read that failed does)."""
-    tree = os.path.join(place, "walk")
+    tree = os.path.join(place, "walk-by-design")
     os.makedirs(tree)
     open(os.path.join(tree, "empty.pt"), "wb").close()      # corrupt: 0 bytes
     os.mkfifo(os.path.join(tree, "pipe.pt"))
@@ -363,3 +368,24 @@ def test_modes_kept_for_the_fixture_cleanup(place):
                             **unprivileged_kw())
     assert result.returncode != 0
     assert not stat.S_IMODE(os.stat(os.path.join(place, "locked")).st_mode)
+
+
+# ---------------------------------------------------------------------------- a bug
+
+def test_a_bug_is_one_line_and_exit_70_and_v_shows_the_traceback(monkeypatch, capsys,
+                                                                   tmp_path):
+    """Not the user's mistake, still not a traceback on their screen: one line saying it is
+    a bug and how to see more (EX_SOFTWARE, so a CI gate cannot take it for 0, 1 or 2)."""
+    from monitor.cli import main as cli_main
+    from monitor.cli import report
+
+    def broken(args, out=None, err=None):
+        raise TypeError("'int' object is not iterable")
+    monkeypatch.setattr(report, "run", broken)
+    journal = str(tmp_path / "j.jsonl")
+    assert cli_main.main(["report", "--journal", journal]) == 70
+    err = capsys.readouterr().err
+    assert err == ("ckptwatch report: internal error: TypeError: 'int' object is not "
+                   "iterable (a bug in ckptwatch; run it again with -v for the traceback)\n")
+    with pytest.raises(TypeError):
+        cli_main.main(["report", "-v", "--journal", journal])
