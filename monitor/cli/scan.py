@@ -8,10 +8,9 @@ bar goes to stderr, only when stderr is a terminal.
 
 Exit codes: 0 nothing corrupt; 1 at least one corrupt file or set; 2 a usage error or an
 incomplete scan, which must not pass as clean: a PATH that does not exist, no checkpoint
-file found at all, a file named on the
-command line that could not be verified (unreadable, a symbolic link loop, a device or FIFO,
-not in a checkpoint format scan knows), or a file or directory in a walked tree that could
-not be read (permission denied, an I/O error). Each is one line on stderr saying what to do;
+file found at all, a file named on the command line that could not be verified (unreadable,
+a symbolic link loop, a device or FIFO, not in a checkpoint format scan knows), or a file or
+directory in a walked tree that could not be read (permission denied, an I/O error). Each is one line on stderr saying what to do;
 the other paths are still scanned and reported. In a walked tree, what scan does not read by
 design (a FIFO, a device, a link out of the tree) or cannot judge (a file matching --include
 in no known format) is listed as "unverifiable" and leaves the exit code alone. 2 wins over 1.

@@ -92,7 +92,6 @@ def int_range(minimum: int, maximum: int | None = None):
 
     def convert(text: str) -> int:
         return _number(int, text, minimum, maximum, what)
-    convert.__name__ = "integer"        # argparse names the type in its message
     return convert
 
 
