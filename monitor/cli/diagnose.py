@@ -26,7 +26,8 @@ from exporters.logline import clean
 from monitor.cli import tracebacks
 from monitor.cli.advice import suggest_fix
 from monitor.cli.journalview import PathHistory, path_history
-from monitor.cli.report import check_journal_file, render_collision, report_journal_path
+from monitor.cli.journalfiles import check_journal_file
+from monitor.cli.report import render_collision, report_journal_path
 from monitor.cli.style import VERBOSE, UsageError, verbosity
 from monitor.cli.textfmt import clock_time, keep_head, keep_tail, wrapped
 from monitor.detect.model import KIND_CONCURRENT

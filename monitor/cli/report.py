@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import json
 import os
-import stat
 import sys
 import time
 
-from exporters.journal import SYSTEM_JOURNAL_PATH, default_journal_path, journal_files
+from exporters.journal import SYSTEM_JOURNAL_PATH, default_journal_path
 from exporters.logline import call_sites, clean
 from monitor.cli.advice import FIX, suggest_fix
+from monitor.cli.journalfiles import journal_paths
 from monitor.cli.journalview import JournalSummary, summarize
 from monitor.cli.style import NORMAL, VERBOSE, Painter, UsageError, verbosity
 from monitor.cli.textfmt import clock_time, human_bytes, keep_head, keep_tail, wrapped
@@ -215,71 +215,6 @@ def add_arguments(parser) -> None:
                              "incident review (a self-contained timeline page)")
     parser.add_argument("-o", "--output", metavar="FILE", default=None,
                         help="write the report to FILE instead of standard output")
-
-
-# How much of a journal's first file is read to tell a journal from another file.
-SNIFF_BYTES = 64 * 1024
-
-
-def check_journal_file(path: str) -> None:
-    """Raise UsageError unless `path` (the newest of a journal's files that exist) is a
-    regular file whose first lines include a journal record, or empty (an agent that has
-    recorded nothing yet). A device or FIFO is refused, never read: /dev/zero has no end."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
-    except OSError as exc:
-        raise UsageError(f"cannot read journal {clean(path)}: {exc.strerror or exc}; run as "
-                         "a user who can read it (the agent's journal is mode 0640)") from None
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise UsageError(f"{clean(path)} is not a regular file; pass the agent's journal "
-                             "(its --journal.path) or a directory of *.jsonl journals")
-        head = os.read(fd, SNIFF_BYTES)
-    except OSError as exc:
-        raise UsageError(f"cannot read journal {clean(path)}: {exc.strerror or exc}") from None
-    finally:
-        os.close(fd)
-    lines = [line for line in head.split(b"\n")[:-1 if len(head) == SNIFF_BYTES else None]
-             if line.strip()]
-    for line in lines:
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(record, dict) and isinstance(record.get("type"), str):
-            return
-    if lines or head.strip():
-        raise UsageError(f"{clean(path)} is not a ckptwatch journal (none of its first lines "
-                         "is a journal record); pass the agent's --journal.path")
-
-
-def journal_paths(journals: list) -> list:
-    """The journal files the --journal arguments name (a directory: its *.jsonl), each
-    checked; UsageError (one line, what to do) for one that is missing, unreadable or not a
-    journal."""
-    paths = []
-    for journal in journals:
-        if os.path.isdir(journal):
-            try:
-                names = os.listdir(journal)
-            except OSError as exc:
-                raise UsageError(f"cannot read directory {clean(journal)}: "
-                                 f"{exc.strerror or exc}; run as a user who can read it")
-            found = sorted(os.path.join(journal, name) for name in names
-                           if name.endswith(".jsonl"))
-            if not found:
-                raise UsageError(f"no *.jsonl journal in directory {clean(journal)}; pass "
-                                 "the agent's --journal.path or the directory holding it")
-        else:
-            found = [journal]
-        for path in found:
-            files = journal_files(path)
-            if not files:
-                raise UsageError(f"no journal at {clean(path)} (is the agent running with "
-                                 "--journal.path? pass --journal PATH)")
-            check_journal_file(files[-1])
-        paths += found
-    return paths
 
 
 def run(args, out=None, err=None) -> int:
