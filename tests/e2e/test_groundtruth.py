@@ -4,12 +4,15 @@ agent per node, real writer processes under `ckptwatch run`) runs a fixed-seed r
 schedule; the checker compares both agents' journals and /metrics with the writers' true
 intervals, within the stated tolerance (groundtruth.expect.TOLERANCE).
 
-The CI batch (test_fixed_seed_batch): seed 49's 8 node-local rounds (every shape; writers that
-stay, exit, os._exit, die of SIGTERM or SIGKILL right after saving, and two SIGKILLed while
-they write; a path written again by a later round) plus the cross-node rounds that pass today.
-~60-90 s on the 2-CPU build machine at load 10-15 (mostly torch imports of replacement
-writers). Cross-node scenarios the checker finds wrong today are the strict xfails below, each
-naming its mismatch; bench/groundtruth.py runs many seeds, quiet and loaded.
+The CI batch (test_fixed_seed_batch_every_agent_tells_the_truth): seed 70's 8 node-local
+rounds (every shape; writers that stay, exit, os._exit, die of SIGTERM or SIGKILL right after
+saving, mostly as children forked for the save as multiprocessing does, and three SIGKILLed
+while they write; a path written again by a later round), a rank's own process SIGKILLed
+while it writes around another's save (a defect this checker found), and the cross-node rounds
+that pass today: 23 saves, 71 s on the 2-CPU build machine at load 20 (most of it the torch
+imports of 4 + 2 writer processes). Cross-node scenarios the checker finds wrong today are the
+strict xfails below, each naming its mismatch; bench/groundtruth.py runs many seeds, quiet and
+under load.
 """
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ import dataclasses
 
 import pytest
 
-from groundtruth.schedule import (OS_EXIT, SEQUENTIAL, SIGKILL, SIGTERM, STAY, TOGETHER,
+from groundtruth.schedule import (KILLED, LARGE, MEDIUM, SEQUENTIAL, STAGGERED, TOGETHER,
                                   Profile, Round, Save, Schedule, make_schedule)
 from groundtruth.trial import run_trial
 from helpers import remove_tree, short_tmpdir
@@ -25,9 +28,15 @@ from helpers import remove_tree, short_tmpdir
 pytestmark = pytest.mark.torch
 
 PROFILE = Profile(nodes=("node-a", "node-b"), local_world=2, rounds=8, p_shared=0.0,
-                  p_exit=0.35, p_killed=0.25)
-SEED = 49
+                  p_exit=0.4, p_killed=0.25, p_fork=0.8)
+SEED = 70
 A0, A1, B0, B1 = ("node-a", 0), ("node-a", 1), ("node-b", 0), ("node-b", 1)
+
+# Found by the checker (seen failing before the fix in monitor/detect + monitor/ingest): a
+# writer SIGKILLed while it writes, after another writer's whole save began and ended inside
+# its interval, was closed as lost at its start (duration 0) and the pair called redundant.
+KILLED_AROUND_ANOTHER = Round(STAGGERED, "node-a/killed-around.pt",
+                              (Save(A0, LARGE, KILLED), Save(A1, MEDIUM, delay=0.1)))
 
 # Cross-node rounds (paths on storage marked shared) that every agent gets right today.
 CROSS_NODE_PASSING = (
@@ -58,7 +67,8 @@ def assert_truthful(result) -> None:
 
 def test_fixed_seed_batch_every_agent_tells_the_truth(workdir):
     base = make_schedule(SEED, PROFILE)
-    schedule = dataclasses.replace(base, rounds=base.rounds + CROSS_NODE_PASSING)
+    schedule = dataclasses.replace(
+        base, rounds=base.rounds + (KILLED_AROUND_ANOTHER,) + CROSS_NODE_PASSING)
     assert_truthful(run_trial(schedule, workdir))
 
 

@@ -186,3 +186,10 @@ def test_every_schedule_stays_within_what_the_checker_can_enumerate(seed):
     for rnd in make_schedule(seed, Profile(rounds=30)).rounds:
         assert 2 <= len(rnd.saves) <= 3
         assert len({s.slot for s in rnd.saves}) == len(rnd.saves)
+
+
+def test_a_short_save_wholly_inside_a_long_one_is_an_overlap_whatever_its_length():
+    # s2 lasts 20 ms, well inside s1: its start and end are far from s1's.
+    truth = [tw("s1", 0, 0.2), tw("s2", 0.1, 0.12)]
+    assert alternatives(truth, WINDOW) == [frozenset({
+        Expected(CONCURRENT, frozenset({"s1", "s2"}))})]

@@ -66,6 +66,8 @@ class Score:
 class Verdict:
     mismatches: list[str] = field(default_factory=list)
     scores: dict = field(default_factory=dict)       # (node, kind) -> Score
+    # (node, kind, "shared" | "local") -> Score: paths on shared storage apart
+    scores_by_storage: dict = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -127,8 +129,11 @@ def check(truth: list[TrueWrite], observed: list[Observed], shared: callable,
             best = min((_score(obs.node, path, alt, got, shared(path), by_save)
                         for alt in options), key=lambda s: (s[0], -s[1]))
             problems, _, scores, matched = best
+            storage = "shared" if shared(path) else "local"
             for kind, score in scores.items():
                 verdict.scores[(obs.node, kind)].add(score)
+                verdict.scores_by_storage.setdefault((obs.node, kind, storage),
+                                                     Score()).add(score)
             for text in problems:
                 bad(obs.node, path, text)
             for exp, rec in matched:
@@ -173,7 +178,7 @@ def _score(node: str, path: str, alt: frozenset, got: list, shared: bool, by_sav
     for kind, saves, rec in left:
         if any(e.matches(kind, saves) for e in permitted):
             continue
-        scores[kind].fp += 1 if kind in scores else 0
+        scores[kind].fp += 1
         problems.append(f"false {kind} collision {rec['id']} of saves {sorted(saves)} "
                         f"(scope {rec.get('scope')}; truth allows "
                         f"{[(e.kind, sorted(e.required)) for e in alt] or 'nothing'})")

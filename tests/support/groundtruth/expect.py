@@ -12,10 +12,14 @@ the writers' true intervals instead of the hooks' reports:
   first writer's saves before its last one ahead of the second writer are optional in the
   report.
 
-Tolerance (TOLERANCE, docs/decisions.md "The ground-truth checker"): an overlap or a gap
-shorter than it may be called either way, and so may a gap within it of the window's edge.
-Each such pair or gap is a choice; the alternatives are every combination of choices, and a
-report is right when it equals one of them.
+Tolerance (TOLERANCE, docs/decisions.md "The ground-truth checker"): two instants closer than
+it may be ordered either way. Whether two saves overlap is two comparisons (each one's start
+against the other's end): when either is within the tolerance and neither says "apart" by
+more, the pair may be called overlapping or not -- so an overlap or a gap shorter than the
+tolerance may be called either way, while a short save wholly inside a long one, its start and
+end far from the long one's, is an overlap. A gap within the tolerance of the window's edge
+may link a chain or not. Each such pair or gap is a choice; the alternatives are every
+combination of choices, and a report is right when it equals one of them.
 """
 from __future__ import annotations
 
@@ -52,9 +56,10 @@ class Expected:
         return kind == self.kind and self.required <= saves <= self.required | self.optional
 
 
-def overlap(a: TrueWrite, b: TrueWrite) -> float:
-    """How long a and b were both in flight (negative: the gap between them)."""
-    return min(a.end, b.end) - max(a.start, b.start)
+def margins(a: TrueWrite, b: TrueWrite) -> tuple[float, float]:
+    """The two comparisons that decide whether a and b overlap (both positive: they do; one
+    negative: they do not): how long after a's start b ended, and after b's start a ended."""
+    return b.end - a.start, a.end - b.start
 
 
 def alternatives(writes: list[TrueWrite], window: float,
@@ -65,10 +70,10 @@ def alternatives(writes: list[TrueWrite], window: float,
     for a, b in itertools.combinations(writes, 2):
         if a.writer == b.writer:
             continue
-        o = overlap(a, b)
-        if o > tolerance:
+        m = margins(a, b)
+        if min(m) > tolerance:
             certain.append((a.save, b.save))
-        elif o >= -tolerance:
+        elif min(m) >= -tolerance:
             choices.append((a.save, b.save))
     if len(choices) > MAX_CHOICES:
         raise ValueError(f"{len(choices)} ambiguous pairs on one path: too many to enumerate")

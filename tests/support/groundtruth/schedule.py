@@ -13,7 +13,11 @@ by a fresh one, with the same rank, after a save that ends its process), in one 
   (and now and then beyond it, where nothing may be reported).
 
 A save may end its process right after it returns (normal exit, os._exit, SIGTERM's default
-action, SIGKILL) or be SIGKILLed by the harness while it writes (a large save). A path is
+action, SIGKILL) or be SIGKILLed by the harness while it writes (a large save). Such a save is
+made either by the rank's process itself (then replaced by a fresh one: a second torch import)
+or, on a node-local path, by a child forked from it for the save, as multiprocessing's fork
+start method does (cheap; a forked child has no job scope of its own, so never on shared
+storage). A path is
 node-local (one node's writers only) or on storage marked shared (any node's writers); a round
 now and then writes a path an earlier round wrote, so rounds interact as the truth says.
 
@@ -51,6 +55,7 @@ class Profile:
     p_killed: float = 0.15          # a round has a save SIGKILLed while it writes
     p_beyond: float = 0.15          # a sequential gap beyond the window (nothing to report)
     max_writers: int = 3
+    p_fork: float = 0.5             # a save that ends its process is made by a forked child
 
     @property
     def slots(self) -> list[tuple[str, int]]:
@@ -74,6 +79,7 @@ class Save:
     numel: int = SMALL
     exit: str = STAY
     delay: float = 0.0
+    fork: bool = False              # made by a child forked from the slot's process
 
 
 @dataclass(frozen=True)
@@ -137,6 +143,7 @@ def make_schedule(seed: int, profile: Profile = Profile()) -> Schedule:
                 beyond = rng.random() < profile.p_beyond
                 delay = (rng.uniform(profile.window + 0.3, profile.window + 0.8) if beyond
                          else rng.uniform(0.0, profile.window))
-            saves.append(Save(slot, numel, exit_, round(delay, 3)))
+            fork = exit_ != STAY and not shared and rng.random() < profile.p_fork
+            saves.append(Save(slot, numel, exit_, round(delay, 3), fork))
         rounds.append(Round(shape, path, tuple(saves)))
     return Schedule(seed, profile, tuple(rounds))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import random
+import signal
 import time
 import uuid
 from dataclasses import dataclass
@@ -77,25 +78,43 @@ class _Runner:
             if rnd.shape == TOGETHER:
                 folder, count = meet, len(rnd.saves)
             elif save.exit == KILLED:
-                folder, count = os.path.join(meet, ids[i]), 1
+                # Held inside its save (file open, nothing written) until kill() releases it.
+                folder, count = os.path.join(meet, ids[i]), 2
             if folder is not None:
                 os.makedirs(folder, exist_ok=True)
             procs[i].send({"save": ids[i], "path": path, "numel": save.numel,
                            "delay": save.delay, "meet": folder, "count": count,
-                           "exit": STAY if save.exit == KILLED else save.exit})
+                           "exit": STAY if save.exit == KILLED else save.exit,
+                           "fork": save.fork})
             if save.exit == KILLED:
                 victims.append(i)
-            elif save.exit != STAY:
+            elif save.exit != STAY and not save.fork:
                 self.writers.replace(save.slot)
 
-        def kill(i: int) -> None:
+        def kill(i: int, hold: bool = False) -> None:
+            """SIGKILL save i's process while it writes its 64 MiB: released from its meeting
+            point (hold: once every other save of the round ended), then killed within
+            KILL_DELAY."""
             folder = meet if rnd.shape == TOGETHER else os.path.join(meet, ids[i])
             wait_for(lambda: os.path.exists(os.path.join(folder, ids[i])),
                      timeout=SAVE_TIMEOUT, message=f"victim {ids[i]} inside its save")
+            if rnd.shape != TOGETHER:
+                if hold:
+                    for j in range(len(rnd.saves)):
+                        if j != i:
+                            wait_end(j)
+                open(os.path.join(folder, "release"), "w").close()
             time.sleep(rng.uniform(0.0, KILL_DELAY))     # part of the schedule, not a wait
-            procs[i].kill()
-            self.truth.killed(procs[i].pid, procs[i].node)
-            self.writers.replace(rnd.saves[i].slot)
+            if rnd.saves[i].fork:
+                pid = self.truth.find(ids[i], "start")["pid"]     # the forked child's
+                os.kill(pid, signal.SIGKILL)
+                wait_for(lambda: not os.path.exists(f"/proc/{pid}"), timeout=30,
+                         message=f"forked victim {pid} gone")
+            else:
+                pid = procs[i].pid
+                procs[i].kill()
+                self.writers.replace(rnd.saves[i].slot)
+            self.truth.killed(pid, procs[i].node)
 
         def wait_end(i: int) -> None:
             wait_for(lambda: self.truth.ended(ids[i]), timeout=SAVE_TIMEOUT,
@@ -119,7 +138,9 @@ class _Runner:
             for i in range(1, len(rnd.saves)):
                 send(i)
         for i in victims:
-            kill(i)
+            # A first save killed while the others write: held until they ended, so they
+            # are inside its interval.
+            kill(i, hold=(rnd.shape == STAGGERED and i == 0))
         for i in range(len(rnd.saves)):
             if i not in victims:
                 wait_end(i)
