@@ -60,6 +60,10 @@ class _Runner:
     def path(self, rnd: Round) -> str:
         return os.path.join(self.workdir, rnd.path if rnd.shared else "local/" + rnd.path)
 
+    def needed_after(self, n: int, slot) -> bool:
+        """Does a round after round n save with `slot`'s own process?"""
+        return any(s.slot == slot for r in self.schedule.rounds[n + 1:] for s in r.saves)
+
     def run(self, n: int, rnd: Round) -> None:
         rng = random.Random(f"{self.schedule.seed}/{n}")
         path = self.path(rnd)
@@ -89,7 +93,7 @@ class _Runner:
             if save.exit == KILLED:
                 victims.append(i)
             elif save.exit != STAY and not save.fork:
-                self.writers.replace(save.slot)
+                self.writers.replace(save.slot, self.needed_after(n, save.slot))
 
         def kill(i: int, hold: bool = False) -> None:
             """SIGKILL save i's process while it writes its 64 MiB: released from its meeting
@@ -113,7 +117,7 @@ class _Runner:
             else:
                 pid = procs[i].pid
                 procs[i].kill()
-                self.writers.replace(rnd.saves[i].slot)
+                self.writers.replace(rnd.saves[i].slot, self.needed_after(n, rnd.saves[i].slot))
             self.truth.killed(pid, procs[i].node)
 
         def wait_end(i: int) -> None:
@@ -177,11 +181,11 @@ def run_trial(schedule: Schedule, workdir: str, progress=lambda text: None) -> T
                                         socket=os.path.join(home, "s"))
         # The writers start (import torch, reach the store) while the agents do; a writer's
         # hook connects to its agent's socket when it first has something to send.
-        writers = Writers(profile, agents, truth.path, job, store.port, shared, logs)
+        used = sorted({s.slot for r in schedule.rounds for s in r.saves})
+        writers = Writers(profile, agents, truth.path, job, store.port, shared, logs, used)
         for agent in agents.values():
             wait_for(agent.ready, timeout=60, message=lambda: f"agent up\n{agent.log}")
-        progress(f"seed {schedule.seed}: {len(agents)} agents up, {len(profile.slots)} writers "
-                 f"starting")
+        progress(f"seed {schedule.seed}: {len(agents)} agents up, {len(used)} writers starting")
         runner = _Runner(schedule, workdir, agents, writers, truth)
         for n, rnd in enumerate(schedule.rounds):
             runner.run(n, rnd)

@@ -78,7 +78,7 @@ class Writers:
     """Slot -> its current WriterProcess; replace() after a save that ends the process."""
 
     def __init__(self, profile, agents: dict, truth_log: str, job: str, master_port: int,
-                 shared_dir: str, log_dir: str):
+                 shared_dir: str, log_dir: str, slots=None):
         self._log_dir = log_dir
         self._spawned = 0
         self._profile = profile
@@ -89,7 +89,7 @@ class Writers:
         self._shared = shared_dir
         self.current: dict = {}
         self.retired: list[WriterProcess] = []
-        for slot in profile.slots:
+        for slot in profile.slots if slots is None else slots:
             self.current[slot] = self._spawn(slot)
 
     def _spawn(self, slot) -> WriterProcess:
@@ -113,10 +113,14 @@ class Writers:
         writer.wait_ready()
         return writer
 
-    def replace(self, slot) -> None:
-        """The slot's process is ending (or ended): start its successor now."""
+    def replace(self, slot, needed: bool = True) -> None:
+        """The slot's process is ending (or ended): start its successor now, if a later save
+        needs it (a torch import is most of what a trial costs)."""
         self.retired.append(self.current[slot])
-        self.current[slot] = self._spawn(slot)
+        if needed:
+            self.current[slot] = self._spawn(slot)
+        else:
+            del self.current[slot]
 
     def close(self) -> None:
         for writer in list(self.current.values()) + self.retired:
