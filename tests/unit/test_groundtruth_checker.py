@@ -25,8 +25,11 @@ def entry(w: TrueWrite, outcome=None):
 
 
 def collision(kind, writes, cid="c1", **over):
+    first, last = min(writes, key=lambda w: w.start), max(writes, key=lambda w: w.end)
     return {"type": "collision", "id": cid, "kind": kind, "path": writes[0].path,
-            "scope": "node", "writers": [entry(w) for w in writes], **over}
+            "scope": "node", "writers": [entry(w) for w in writes],
+            "first": {"node": first.node, "pid": first.pid},
+            "last": {"node": last.node, "pid": last.pid}, **over}
 
 
 def observed(node, collisions, truth, **metric):
@@ -193,3 +196,13 @@ def test_a_short_save_wholly_inside_a_long_one_is_an_overlap_whatever_its_length
     truth = [tw("s1", 0, 0.2), tw("s2", 0.1, 0.12)]
     assert alternatives(truth, WINDOW) == [frozenset({
         Expected(CONCURRENT, frozenset({"s1", "s2"}))})]
+
+
+def test_the_wrong_last_writer_is_a_mismatch_unless_within_the_tolerance():
+    truth = [tw("s1", 0, 1), tw("s2", 0.5, 2)]
+    wrong = collision(CONCURRENT, truth, last={"node": "node-a", "pid": truth[0].pid})
+    assert any("last names" in m for m in
+               run_check(truth, observed("node-a", [wrong], truth)).mismatches)
+    close = [tw("s1", 0, 1.99), tw("s2", 0.5, 2)]
+    either = collision(CONCURRENT, close, last={"node": "node-a", "pid": close[0].pid})
+    assert run_check(close, observed("node-a", [either], close)).ok

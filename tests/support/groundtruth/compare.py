@@ -10,7 +10,8 @@ For each agent (one per simulated node) and each path:
 - the agent's collisions on the path must be exactly the required ones plus permitted ones,
   for one of the alternatives the tolerance allows, each once, naming the saves it must;
 - every writer named in a collision has the truth's outcome ("lost" for a save killed while it
-  wrote, "ok" otherwise);
+  wrote, "ok" otherwise), and its "first" and "last" writers are the truth's (within the
+  tolerance);
 - every save of the node is journaled as a write, with that outcome;
 - one collision, one id: every agent reporting a collision gives it the same id;
 - /metrics: ckptwatch_collisions_total of the job, per kind, equals the journal's count.
@@ -138,6 +139,9 @@ def check(truth: list[TrueWrite], observed: list[Observed], shared: callable,
                 bad(obs.node, path, text)
             for exp, rec in matched:
                 ids[(path, exp.kind, exp.required)][obs.node] = rec["id"]
+                for text in _first_and_last(rec, [by_save[s] for s in exp.required],
+                                            tolerance):
+                    bad(obs.node, path, f"collision {rec['id']}: {text}")
         counts = defaultdict(int)
         for rec in obs.collisions:
             counts[rec["kind"]] += 1
@@ -183,6 +187,20 @@ def _score(node: str, path: str, alt: frozenset, got: list, shared: bool, by_sav
                         f"(scope {rec.get('scope')}; truth allows "
                         f"{[(e.kind, sorted(e.required)) for e in alt] or 'nothing'})")
     return problems, len(matched), scores, matched
+
+
+def _first_and_last(rec: dict, saves: list[TrueWrite], tolerance: float) -> list[str]:
+    """The record's "first" and "last" writers (who started first; who finished last, whose
+    bytes are on disk) are the truth's, or within the tolerance of it."""
+    problems = []
+    for field_, pick, of in (("first", min, lambda w: w.start), ("last", max, lambda w: w.end)):
+        named = rec.get(field_) or {}
+        best = of(pick(saves, key=of))
+        allowed = {(w.node, w.pid) for w in saves if abs(of(w) - best) <= tolerance}
+        if (named.get("node"), named.get("pid")) not in allowed:
+            problems.append(f"{field_} names {named.get('node')} pid {named.get('pid')}, "
+                            f"truth {sorted(allowed)}")
+    return problems
 
 
 def _names(exp: Expected, by_save) -> str:

@@ -19,8 +19,8 @@ import uuid
 from dataclasses import dataclass
 
 from agentproc import launch_agent
+from groundtruth.collect import observe
 from groundtruth.compare import Observed, Verdict, check
-from groundtruth.expect import KINDS
 from groundtruth.schedule import (KILLED, SEQUENTIAL, STAGGERED, STAY, TOGETHER, Round,
                                   Schedule)
 from groundtruth.truth import TruthLog, TrueWrite
@@ -148,16 +148,6 @@ class _Runner:
         for i in range(len(rnd.saves)):
             if i not in victims:
                 wait_end(i)
-
-
-def observe(agent, node: str, job: str) -> Observed:
-    records = agent.journal_records()
-    return Observed(
-        node=node,
-        collisions=[r for r in records if r.get("type") == "collision" and r.get("job") == job],
-        writes=[r for r in records if r.get("type") == "write" and r.get("job") == job],
-        metric_counts={kind: agent.metric("ckptwatch_collisions_total", training_job=job,
-                                          kind=kind) or 0 for kind in KINDS})
 
 
 def run_trial(schedule: Schedule, workdir: str, progress=lambda text: None) -> TrialResult:
