@@ -41,7 +41,7 @@ from monitor.detect.sizes import SizeHistory
 from monitor.fs.source import FILE_CHANGED, FILE_CLOSED, FileNotice, FsSource
 from monitor.ingest.inbox import Inbox
 from monitor.ingest.notices import notices_for
-from monitor.ingest.server import RIGHTS, IngestError, IngestServer
+from monitor.ingest.server import HANGUP, RIGHTS, IngestError, IngestServer
 from monitor.verify import crc
 from monitor.verify.checks import Checks
 from monitor.verify.integrity import CAUSES as CORRUPT_CAUSES
@@ -116,7 +116,8 @@ class Agent:
         ingest = IngestServer(config.socket, inbox.put, state.event_rejected,
                               backlog=inbox.backlog, max_backlog=MAX_BACKLOG,
                               processed=inbox.finished,
-                              socket_mode=config.socket_mode, socket_group=config.socket_group)
+                              socket_mode=config.socket_mode, socket_group=config.socket_group,
+                              hangups=True)
         detector = Detector(window=config.collision_window, settle=config.collision_settle,
                             stale_after=config.collision_stale_after,
                             max_paths=config.collision_max_paths, pid_alive=pid_alive,
@@ -277,15 +278,19 @@ class Agent:
             log.exception("building notices failed")
 
     def hook_batch(self, batch: list[dict]) -> None:
-        self.state.event_received(len(batch))
         merger, fs = self.merger, self.fs
         node = self.config.node
+        hangups = 0
         for event in batch:
             # Everything on our socket comes from a process of this node (ingest checked its
             # pid against the kernel's credentials): the node is ours, whatever the sender
             # claims, so one process cannot pose as two writers (docs/decisions.md).
             event["node"] = node
             kind = event["type"]
+            if kind == HANGUP:          # ingest's word, not a hook's event: not counted
+                hangups += 1
+                self.hung_up(event)
+                continue
             if kind == "dropped":
                 self.state.client_dropped(event["count"])
                 continue
@@ -304,6 +309,14 @@ class Agent:
             if merger is not None:
                 merger.hook_event(event)
             self.observe(event)
+        self.state.event_received(len(batch) - hangups)
+
+    def hung_up(self, event: dict) -> None:
+        """A hook's process ended its connection (monitor.ingest.server, "Hang-ups")."""
+        try:
+            self.detector.hung_up(event["node"], event["pid"], event["mono"], event["wall"])
+        except Exception:
+            log.exception("detector failed on a hang-up of pid %s", event.get("pid"))
 
     def job_scope_event(self, event: dict) -> None:
         """remote / hazard / jobscope events (monitor.agent.jobreports)."""

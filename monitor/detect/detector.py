@@ -148,6 +148,16 @@ class Detector:
         self._schedule(state, entry.done_at + self._job_settle)
         return []
 
+    def hung_up(self, node: str, pid: int, mono: float, wall: float) -> None:
+        """The connection of process (node, pid) was closed by the process's side at `mono` /
+        `wall` (the agent's clocks when it read the end of the stream). The kernel closes a
+        process's sockets when it dies, so a process killed while it writes was alive until
+        about then: the latest time known for its writes in flight, and where they end if
+        they are closed as lost. Without it a killed writer's write ended where its last event
+        was -- its own start -- and every save that began and ended inside the real interval
+        was called a redundant write instead of a collision (tests/support/groundtruth)."""
+        self._open.heard_from((node, pid), {"mono": mono, "wall": wall})
+
     def mark_source(self, path: str, key: tuple, source: str) -> bool:
         """Another source saw the write `key` = (node, pid, seq) on `path` too (the filesystem
         watcher saw a save the hook reported): its collision, if any, names both sources.

@@ -55,6 +55,13 @@ has more than max_backlog events waiting. The senders' sockets then fill, their 
 threads wait, and their bounded queues drop and count — the agent's memory stays bounded and
 no save ever waits.
 
+Hang-ups (with hangups=True, as the agent runs it): when a peer ends its side of a connection
+(its process exited or was killed: the kernel closes a dying process's sockets), on_events gets
+one more batch, [{"type": HANGUP, "pid": peer pid, "mono", "wall"}], the agent's clocks when the
+end of the stream was read, after every event of that connection. The detector takes it as the
+last time that process is known alive (monitor.detect.detector, Detector.hung_up). It is made
+here, never decoded: no sender can send one (an unknown type is rejected).
+
 The socket file's ownership and trust rules are monitor/ingest/socketfile.py; the connections'
 caps, eviction and stalled frames are monitor/ingest/connections.py. This module is the server
 thread: accept, read, deliver, acknowledge, send notices.
@@ -77,7 +84,9 @@ from monitor.ingest.socketfile import AgentAlreadyRunning, IngestError, SocketFi
 
 # start() raises the errors (refused and evicted count by monitor.ingest.connections' reasons).
 __all__ = ["IngestServer", "IngestError", "AgentAlreadyRunning", "RIGHTS", "MAX_NOTICES",
-           "ACK_INTERVAL"]
+           "ACK_INTERVAL", "HANGUP"]
+
+HANGUP = "hangup"           # the event type of a peer's hang-up (see module doc, "Hang-ups")
 
 log = logging.getLogger("ckptwatch.ingest")
 
@@ -105,7 +114,8 @@ class IngestServer:
                  backlog: Callable[[], int] | None = None, max_backlog: int = 200_000,
                  max_per_pid: int = 16, max_per_uid: int = 256, frame_timeout: float = 30.0,
                  log_interval: float = 60.0, clock: Callable[[], float] = time.monotonic,
-                 processed: Callable[[], int] | None = None):
+                 processed: Callable[[], int] | None = None, hangups: bool = False):
+        self._hangups = hangups
         self._conns = Connections(max_connections, max_per_pid, max_per_uid, frame_timeout,
                                   log_interval, clock)
         self.path = path
@@ -423,6 +433,7 @@ class IngestServer:
                 if conn.reader.pending():
                     self._reject(events.REJECT_TRUNCATED)
                 self._close(conn)
+                self._hung_up(conn)
                 return
             try:
                 payloads = conn.reader.feed(data)
@@ -494,6 +505,17 @@ class IngestServer:
         self._handed += 1
         try:
             self._on_events(good)
+        except Exception:
+            self._unexpected("on_events callback failed")
+
+    def _hung_up(self, conn: Connection) -> None:
+        """The peer ended the connection: one hang-up batch (see module doc, "Hang-ups")."""
+        if not self._hangups or conn.pid <= 0:
+            return
+        self._handed += 1           # a batch like any other, for the acknowledgements' count
+        try:
+            self._on_events([{"type": HANGUP, "pid": conn.pid, "mono": self._clock(),
+                              "wall": time.time()}])
         except Exception:
             self._unexpected("on_events callback failed")
 

@@ -240,6 +240,39 @@ def test_dead_process_write_is_lost_and_still_collides():
     assert det.observe(end(2, 1, 11.0, 0.1)) == []
 
 
+def test_a_writer_killed_mid_save_is_lost_at_its_hang_up_and_collides_with_saves_inside():
+    """Found by the ground-truth checker: pid 1 starts a long save, pid 2 saves wholly inside
+    it, then pid 1 is SIGKILLed. Its last event was its start, so its lost write ended there
+    (duration 0) and the two were called redundant. The kernel closed its connection when it
+    died: the hang-up is the last time it is known alive, and its write ends there."""
+    clock = FakeClock(0.0)
+    alive = {1: True, 2: True}
+    det = make(clock, settle=0.3, pid_alive=lambda node, pid: alive[pid])
+    out = feed(det, clock, [(0.0, start(1, 1, 0.0)), (0.2, start(2, 1, 0.2)),
+                            (0.3, end(2, 1, 0.3, 0.2))])
+    clock.now = 0.5
+    det.hung_up("n1", 1, 0.5, WALL0 + 0.5)
+    alive[1] = False
+    for at in (1.5, 2.5, 3.5, 10.0):
+        out += advance(det, clock, at)
+    [lost] = [w for w in writes(out) if w.outcome == OUTCOME_LOST]
+    assert (lost.writer.pid, lost.end_mono, lost.end_wall) == (1, 0.5, WALL0 + 0.5)
+    [c] = collisions(out)
+    assert c.kind == KIND_CONCURRENT
+    assert {w.writer.pid: w.outcome for w in c.writes} == {1: OUTCOME_LOST, 2: "ok"}
+
+
+def test_a_hang_up_of_a_process_without_writes_in_flight_changes_nothing():
+    clock = FakeClock(0.0)
+    det = make(clock, settle=0.3, pid_alive=lambda node, pid: False)
+    out = feed(det, clock, [(0.0, start(1, 1, 0.0)), (0.1, end(1, 1, 0.1, 0.0))])
+    det.hung_up("n1", 1, 0.5, WALL0 + 0.5)
+    det.hung_up("n1", 99, 0.5, WALL0 + 0.5)
+    out += advance(det, clock, 5.0)
+    assert [(w.writer.pid, w.end_mono, w.outcome) for w in writes(out)] == [(1, 0.1, "ok")]
+    assert collisions(out) == [] and det.open_writes == 0
+
+
 def test_stale_write_is_lost_after_stale_after():
     clock = FakeClock(0.0)
     det = make(clock, stale_after=100.0)

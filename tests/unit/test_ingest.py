@@ -6,13 +6,14 @@ import stat
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 
 from helpers import wait_for
 from wire import Recorder, connect, start_event
 from ckptwatch import events
-from monitor.ingest.server import AgentAlreadyRunning, IngestError, IngestServer
+from monitor.ingest.server import HANGUP, AgentAlreadyRunning, IngestError, IngestServer
 
 
 @pytest.fixture
@@ -455,3 +456,38 @@ def test_forked_child_cannot_speak_as_its_exited_parent(server):
     assert [e["seq"] for e in server.rec.events] == [1]
     assert server.rec.rejects == ["pid_mismatch"]
     assert server.evicted["foreign_writer"] == 1
+
+
+def test_a_peer_that_hangs_up_is_reported_after_its_events_when_asked(sockdir, no_thread_leak):
+    """hangups=True (the agent): a connection ended by its process gives one more batch, a
+    hang-up naming the peer's pid and when the end was read, after that connection's events.
+    A sender cannot send one itself: the type is unknown on the wire."""
+    rec = Recorder()
+    srv = IngestServer(os.path.join(sockdir, "h.sock"), rec.on_events, rec.on_reject,
+                       hangups=True)
+    srv.start()
+    try:
+        before = time.monotonic()
+        with connect(srv.path) as sock:
+            sock.sendall(events.encode(start_event(seq=3))
+                         + events.encode({**start_event(seq=4), "type": "hangup"}))
+            wait_for(lambda: rec.events and rec.rejects)
+        wait_for(lambda: len(rec.events) == 2)
+        started, hangup = rec.events
+        assert started["type"] == "start" and started["seq"] == 3
+        assert hangup["type"] == HANGUP and hangup["pid"] == os.getpid()
+        assert before <= hangup["mono"] <= time.monotonic()
+        assert abs(hangup["wall"] - time.time()) < 60
+        assert rec.rejects == ["incomplete"]        # the forged one
+    finally:
+        srv.stop()
+
+
+def test_no_hangups_unless_asked(server):
+    with connect(server.path) as sock:
+        sock.sendall(events.encode(start_event(seq=1)))
+        wait_for(lambda: server.rec.events)
+    with connect(server.path) as sock:          # a later connection's event comes after
+        sock.sendall(events.encode(start_event(seq=2)))
+        wait_for(lambda: len(server.rec.events) == 2)
+    assert [e["type"] for e in server.rec.events] == ["start", "start"]
