@@ -32,8 +32,9 @@ less so.
 --stage ingest measures the socket server alone (monitor.ingest.server.IngestServer in this
 process, counting validated events): receive, framing, JSON decoding, validation, pid check.
 
---profile FILE records the (new) agent with py-spy while it takes the load (py-spy on PATH or
-beside this interpreter; collapsed stacks for a .txt file, else speedscope).
+--profile FILE records the agent with py-spy while it takes the load (py-spy on PATH or
+beside this interpreter; collapsed stacks for a .txt file, else speedscope); with --old, one
+file per tree (FILE-old.txt, FILE-new.txt), first round only.
 """
 from __future__ import annotations
 
@@ -62,8 +63,10 @@ def make_frames(kind: str, n_events: int, index: int, pid: int, paths: int) -> l
     per_save = 2 if kind == "pairs" else 1
     for i in range(n_events // per_save):
         path = f"/bench/sender{index}/ckpt{i % paths}.pt"
+        # Every writer field, as the hook sends them (ckptwatch/events.py).
         base = {"v": 1, "node": "bench", "pid": pid, "seq": i, "rank": index,
-                "local_rank": index, "world_size": 8, "job": "bench", "path": path,
+                "local_rank": index, "world_size": 8, "local_world_size": 8, "node_rank": 0,
+                "job": "bench", "master": None, "restart": 0, "path": path,
                 "site": "bench.py:1", "func": "sender"}
         t = now_mono + i * 1e-6
         end = {**base, "type": "end", "wall": now_wall, "mono": t + 5e-7,
@@ -151,7 +154,7 @@ def run_agent(args, ctx, tree: str, profile: str | None = None) -> dict:
                      + m.get("ckptwatch_events_rejected_total", 0))
             if taken >= total and m.get("ckptwatch_writes_total", 0) >= writes_expected:
                 break
-            time.sleep(0.1)   # each scrape costs the agent CPU: poll gently
+            time.sleep(0.5)   # each scrape costs the agent CPU: poll gently
         elapsed = time.monotonic() - t0
         agent_cpu = sum(agent_proc.cpu_times()[:2]) - cpu0
         if spy is not None:
@@ -167,6 +170,15 @@ def run_agent(args, ctx, tree: str, profile: str | None = None) -> dict:
             "lost": total - received - rejected, "elapsed": elapsed, "cpu": agent_cpu,
             "rate": (received + rejected) / elapsed,
             "us_per_event": agent_cpu / max(received + rejected, 1) * 1e6}
+
+
+def profile_file(profile: str | None, name: str, old: str | None) -> str | None:
+    """Where to write the py-spy record of tree `name`: the file given, or with --old one
+    file per tree (name-old.txt, name-new.txt)."""
+    if profile is None or old is None:
+        return profile
+    stem, ext = os.path.splitext(profile)
+    return f"{stem}-{name}{ext}"
 
 
 def start_profile(pid: int, out: str) -> subprocess.Popen:
@@ -237,7 +249,7 @@ def main(argv=None) -> int:
                     help="start each connection with a hello asking for acks and notices")
     ap.add_argument("--old", help="an old checkout to measure side by side")
     ap.add_argument("--rounds", type=int, default=1, help="alternations of old and new")
-    ap.add_argument("--profile", help="py-spy the new agent into this file")
+    ap.add_argument("--profile", help="py-spy the agent(s) into this file (see above)")
     ap.add_argument("--timeout", type=float, default=180.0)
     ap.add_argument("--stage", choices=["agent", "ingest"], default="agent",
                     help="agent: the real agent end to end (default); ingest: socket server only")
@@ -258,8 +270,8 @@ def main(argv=None) -> int:
     ok = True
     for round_ in range(args.rounds):
         for name, tree in trees:
-            r = run_agent(args, ctx, tree, args.profile if name == "new" and round_ == 0
-                          else None)
+            r = run_agent(args, ctx, tree, profile_file(args.profile, name, args.old)
+                          if round_ == 0 else None)
             results[name].append(r)
             ok = ok and r["lost"] == 0
             print(describe(r, name), flush=True)
