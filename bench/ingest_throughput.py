@@ -1,67 +1,200 @@
-"""Agent ingest: sustained events/s and loss with 8 sending processes.
+"""Agent ingest: sustained events/s, agent CPU per event and loss, on the shape of a real node.
 
-    python bench/ingest_throughput.py [--senders 8] [--events 40000]
+    python bench/ingest_throughput.py [--senders 8] [--conns 1] [--events 40000] [--paths 1000]
+        [--kind pairs|ends|dropped|hazard|remote] [--hello] [--old CHECKOUT] [--rounds 1]
 
-Starts the real agent, forks N sender processes that each connect to its socket and send
---events valid events (start/end pairs of writes to their own paths, so the detector does real
-work but finds no collision) as fast as the socket accepts them. Measures from the moment all
-senders are released until the agent has counted every event as received and every write as
-finished (scraped from its /metrics), i.e. the whole pipeline: ingest, decode, validation,
-detector, metrics, journal. Loss = sent - received. Target (issue 8, item 11): >= 50,000
-events/s, zero loss, 8 senders.
+Starts the real agent, forks --senders processes that each open --conns connections to its
+socket and send --events valid events as fast as the socket accepts them. The default load is
+the one issue 22 measured: 8 senders on 8 connections, no hello, start/end pairs over 1,000
+paths per sender, each path saved again and again (pair i writes ckpt{i % paths}), so the
+detector keeps per-path state and chains the way a long run on a real node does.
+Measures from the moment all senders are released until the agent has counted every event as
+received (or rejected) and every write as finished (scraped from its /metrics): the whole
+pipeline (ingest, decode, validation, detector, metrics, journal). Loss = sent - received -
+rejected.
 
---stage ingest measures the socket server alone (monitor.ingest.server.IngestServer in this process,
-counting validated events): receive, framing, JSON decoding, validation, pid check.
+--kind picks the event kind sent (each kind's own path through the agent):
+  pairs    start and end of every save (the hook's default)
+  ends     the end alone (a save whose start was dropped or refused: it stands alone)
+  dropped  "dropped" counts (a hook's queue overflowed)
+  hazard   job-scope hazards (rate-limited per connection: most are rejected "rate_limited")
+  remote   job-scope remote writes naming no tracked write (rate-limited, then refused)
+--conns spreads each sender's saves over that many connections of the same process (at most
+the agent's per-process cap, 16). --hello starts every connection with a hello asking for
+acknowledgements and notices (the hook's warn policy).
 
-Both stages print CPU time per event next to events/s: on a shared, loaded machine the rate
-follows whatever share of a core the agent gets, the CPU per event much less so.
+--old CHECKOUT runs the same load against that checkout's agent (its agent.py with its own
+.venv), alternating old and new --rounds times in one run, and prints the ratios: the way to
+compare two releases on a shared, loaded machine. Both print the agent's CPU per event next to
+events/s: the rate follows whatever share of a core the agent gets, the CPU per event much
+less so.
+
+--stage ingest measures the socket server alone (monitor.ingest.server.IngestServer in this
+process, counting validated events): receive, framing, JSON decoding, validation, pid check.
+
+--profile FILE records the agent with py-spy while it takes the load (py-spy on PATH or
+beside this interpreter; collapsed stacks for a .txt file, else speedscope); with --old, one
+file per tree (FILE-old.txt, FILE-new.txt), first round only.
 """
 from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
 import os
+import shutil
+import signal
 import socket
+import subprocess
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.common import Agent  # noqa: E402
-from ckptwatch import events# noqa: E402
+from bench.common import REPO, Agent  # noqa: E402
+from ckptwatch import events  # noqa: E402
+
+KINDS = ("pairs", "ends", "dropped", "hazard", "remote")
+_JOB_SCOPE_KINDS = ("hazard", "remote")
 
 
-def sender(sock_path: str, n_events: int, index: int, go, batch: int = 256) -> None:
-    pid = os.getpid()
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    s.connect(sock_path)
+def make_frames(kind: str, n_events: int, index: int, pid: int, paths: int) -> list[bytes]:
+    """n_events encoded frames of `kind` from sender `index` (pid): saves over `paths` paths."""
     frames = []
     now_wall, now_mono = time.time(), time.monotonic()
-    for i in range(n_events // 2):
-        path = f"/bench/sender{index}/ckpt{i % 64}.pt"
-        base = {"v": 1, "node": "bench", "pid": pid, "seq": i, "rank": index, "local_rank": index,
-                "world_size": 8, "job": "bench", "path": path, "site": "bench.py:1",
-                "func": "sender"}
+    per_save = 2 if kind == "pairs" else 1
+    for i in range(n_events // per_save):
+        path = f"/bench/sender{index}/ckpt{i % paths}.pt"
+        # Every writer field, as the hook sends them (ckptwatch/events.py).
+        base = {"v": 1, "node": "bench", "pid": pid, "seq": i, "rank": index,
+                "local_rank": index, "world_size": 8, "local_world_size": 8, "node_rank": 0,
+                "job": "bench", "master": None, "restart": 0, "path": path,
+                "site": "bench.py:1", "func": "sender"}
         t = now_mono + i * 1e-6
-        frames.append(events.encode({**base, "type": "start", "wall": now_wall, "mono": t}))
-        frames.append(events.encode({**base, "type": "end", "wall": now_wall, "mono": t + 5e-7,
-                                     "start_wall": now_wall, "start_mono": t, "bytes": 4096,
-                                     "outcome": "ok"}))
-    payloads = [b"".join(frames[i:i + batch]) for i in range(0, len(frames), batch)]
+        end = {**base, "type": "end", "wall": now_wall, "mono": t + 5e-7,
+               "start_wall": now_wall, "start_mono": t, "bytes": 4096, "outcome": "ok"}
+        if kind == "pairs":
+            frames.append(events.encode({**base, "type": "start", "wall": now_wall, "mono": t}))
+            frames.append(events.encode(end))
+        elif kind == "ends":
+            frames.append(events.encode(end))
+        elif kind == "dropped":
+            frames.append(events.encode({"v": 1, "type": "dropped", "node": "bench", "pid": pid,
+                                         "count": 1}))
+        elif kind == "hazard":
+            frames.append(events.encode({**base, "type": "hazard", "kind": "local_rank_guard",
+                                         "shared": "mount:nfs4", "wall": now_wall,
+                                         "ranks": [0, 8], "nodes": ["bench", "other"]}))
+        else:
+            frames.append(events.encode({
+                "v": 1, "type": "remote", "node": "bench", "pid": pid, "seq": i, "path": path,
+                "wall": now_wall, "wseq": i, "start_wall": now_wall, "end_wall": now_wall,
+                "start_mono": t, "end_mono": t + 5e-7, "outcome": "ok", "bytes": 4096,
+                "writer": {"node": "other", "pid": 1000 + index, "rank": 8 + index,
+                           "job": "bench"}}))
+    return frames
+
+
+def sender(sock_path: str, args, index: int, go, batch: int = 256) -> None:
+    """One process: --conns connections; connection c carries the saves i with i % conns == c
+    (a save's start and end on one connection, in order); batches go round-robin."""
+    pid = os.getpid()
+    conns = []
+    for _ in range(args.conns):
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.connect(sock_path)
+        conns.append(s)
+    frames = make_frames(args.kind, args.events, index, pid, args.paths)
+    per_save = 2 if args.kind == "pairs" else 1
+    streams = [[] for _ in conns]
+    for i in range(0, len(frames), per_save):
+        streams[(i // per_save) % len(conns)].extend(frames[i:i + per_save])
+    hello = events.hello_frame("bench", pid, notices=True) if args.hello else None
+    payloads = []
+    for c, stream in enumerate(streams):
+        chunks = [b"".join(stream[j:j + batch]) for j in range(0, len(stream), batch)]
+        if hello is not None:
+            chunks.insert(0, hello)
+        payloads.append(chunks)
     go.wait()
-    for p in payloads:
-        s.sendall(p)
-    s.close()
+    for round_ in range(max(len(p) for p in payloads)):
+        for s, chunks in zip(conns, payloads):
+            if round_ < len(chunks):
+                s.sendall(chunks[round_])
+    for s in conns:
+        s.close()
+
+
+def expected(args) -> tuple[int, int]:
+    """Events sent in all, writes the agent should finish for them."""
+    per_sender = args.events - args.events % 2 if args.kind == "pairs" else args.events
+    total = args.senders * per_sender
+    writes = total // 2 if args.kind == "pairs" else total if args.kind == "ends" else 0
+    return total, writes
+
+
+def run_agent(args, ctx, tree: str, profile: str | None = None) -> dict:
+    total, writes_expected = expected(args)
+    import psutil
+    with Agent(tree=tree) as agent:
+        go = ctx.Event()
+        procs = [ctx.Process(target=sender, args=(agent.socket, args, i, go))
+                 for i in range(args.senders)]
+        for p in procs:
+            p.start()
+        time.sleep(1.0)  # let every sender connect and pre-encode its frames
+        agent_proc = psutil.Process(agent.proc.pid)
+        spy = start_profile(agent.proc.pid, profile) if profile else None
+        cpu0 = sum(agent_proc.cpu_times()[:2])
+        t0 = time.monotonic()
+        go.set()
+        deadline = t0 + args.timeout
+        m = {}
+        while time.monotonic() < deadline:
+            m = agent.metrics()
+            taken = (m.get("ckptwatch_events_received_total", 0)
+                     + m.get("ckptwatch_events_rejected_total", 0))
+            if taken >= total and m.get("ckptwatch_writes_total", 0) >= writes_expected:
+                break
+            time.sleep(0.5)   # each scrape costs the agent CPU: poll gently
+        elapsed = time.monotonic() - t0
+        agent_cpu = sum(agent_proc.cpu_times()[:2]) - cpu0
+        if spy is not None:
+            spy.send_signal(signal.SIGINT)     # py-spy writes its file on SIGINT
+            spy.wait(60)
+        for p in procs:
+            p.join()
+        m = agent.metrics()
+    received = int(m.get("ckptwatch_events_received_total", 0))
+    rejected = int(m.get("ckptwatch_events_rejected_total", 0))
+    return {"tree": tree, "total": total, "received": received, "rejected": rejected,
+            "writes": int(m.get("ckptwatch_writes_total", 0)),
+            "lost": total - received - rejected, "elapsed": elapsed, "cpu": agent_cpu,
+            "rate": (received + rejected) / elapsed,
+            "us_per_event": agent_cpu / max(received + rejected, 1) * 1e6}
+
+
+def profile_file(profile: str | None, name: str, old: str | None) -> str | None:
+    """Where to write the py-spy record of tree `name`: the file given, or with --old one
+    file per tree (name-old.txt, name-new.txt)."""
+    if profile is None or old is None:
+        return profile
+    stem, ext = os.path.splitext(profile)
+    return f"{stem}-{name}{ext}"
+
+
+def start_profile(pid: int, out: str) -> subprocess.Popen:
+    spy = shutil.which("py-spy") or os.path.join(os.path.dirname(sys.executable), "py-spy")
+    return subprocess.Popen([spy, "record", "--pid", str(pid), "--output", out, "--format",
+                             "raw" if out.endswith(".txt") else "speedscope", "--rate", "200",
+                             "--nonblocking"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 def ingest_only(args, ctx) -> int:
     import tempfile
     import threading
     from monitor.ingest.server import IngestServer
-    try:
-        from monitor.ingest.codec import BACKEND as decoder
-    except ImportError:     # a checkout from before monitor/ingest/codec.py, measured for comparison
-        decoder = "json (events.decode_many)"
-    total = args.senders * (args.events // 2) * 2
+    from monitor.ingest.codec import BACKEND as decoder
+    total, _ = expected(args)
     count = [0]
     lock = threading.Lock()
     done = threading.Event()
@@ -76,7 +209,7 @@ def ingest_only(args, ctx) -> int:
     server.start()
     try:
         go = ctx.Event()
-        procs = [ctx.Process(target=sender, args=(path, args.events, i, go))
+        procs = [ctx.Process(target=sender, args=(path, args, i, go))
                  for i in range(args.senders)]
         for p in procs:
             p.start()
@@ -90,7 +223,7 @@ def ingest_only(args, ctx) -> int:
             p.join()
     finally:
         server.stop()
-    print(f"ingest stage only: {args.senders} senders x {args.events} events; "
+    print(f"ingest stage only: {args.senders} senders x {args.events} {args.kind} events; "
           f"received {count[0]} of {total}, lost {total - count[0]}")
     print(f"elapsed {elapsed:.2f} s -> {count[0] / elapsed:,.0f} events/s; server CPU "
           f"{cpu:.2f} s ({cpu / elapsed:.0%} of one core, {cpu / max(count[0], 1) * 1e6:.1f} us "
@@ -98,55 +231,59 @@ def ingest_only(args, ctx) -> int:
     return 0 if count[0] == total else 1
 
 
+def describe(r: dict, label: str) -> str:
+    return (f"{label:>4}: {r['rate']:>9,.0f} events/s  {r['us_per_event']:6.1f} us agent CPU/event"
+            f"  ({r['cpu'] / r['elapsed']:.0%} of a core)  received {r['received']}, rejected "
+            f"{r['rejected']}, writes {r['writes']}, lost {r['lost']}  ({r['elapsed']:.1f} s)")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--senders", type=int, default=8)
-    ap.add_argument("--events", type=int, default=40000, help="events per sender (even)")
-    ap.add_argument("--timeout", type=float, default=120.0)
+    ap.add_argument("--conns", type=int, default=1, help="connections per sender (<= 16)")
+    ap.add_argument("--events", type=int, default=40000, help="events per sender")
+    ap.add_argument("--paths", type=int, default=1000, help="paths per sender, each reused")
+    ap.add_argument("--kind", choices=KINDS, default="pairs")
+    ap.add_argument("--hello", action="store_true",
+                    help="start each connection with a hello asking for acks and notices")
+    ap.add_argument("--old", help="an old checkout to measure side by side")
+    ap.add_argument("--rounds", type=int, default=1, help="alternations of old and new")
+    ap.add_argument("--profile", help="py-spy the agent(s) into this file (see above)")
+    ap.add_argument("--timeout", type=float, default=180.0)
     ap.add_argument("--stage", choices=["agent", "ingest"], default="agent",
                     help="agent: the real agent end to end (default); ingest: socket server only")
     args = ap.parse_args(argv)
-    total = args.senders * (args.events // 2) * 2
+    if not 1 <= args.conns <= 16 or args.senders < 1 or args.paths < 1 or args.events < 2:
+        ap.error("--conns must be 1..16; --senders, --paths >= 1; --events >= 2")
     ctx = mp.get_context("fork")
     if args.stage == "ingest":
         return ingest_only(args, ctx)
-    with Agent() as agent:
-        go = ctx.Event()
-        procs = [ctx.Process(target=sender, args=(agent.socket, args.events, i, go))
-                 for i in range(args.senders)]
-        for p in procs:
-            p.start()
-        time.sleep(1.0)  # let every sender connect and pre-encode its frames
-        import psutil
-        agent_proc = psutil.Process(agent.proc.pid)
-        cpu0 = sum(agent_proc.cpu_times()[:2])
-        t0 = time.monotonic()
-        go.set()
-        deadline = t0 + args.timeout
-        m = {}
-        while time.monotonic() < deadline:
-            m = agent.metrics()
-            if (m.get("ckptwatch_events_received_total", 0) >= total
-                    and m.get("ckptwatch_writes_total", 0) >= total // 2):
-                break
-            time.sleep(0.1)   # each scrape costs the agent CPU: poll gently
-        elapsed = time.monotonic() - t0
-        agent_cpu = sum(agent_proc.cpu_times()[:2]) - cpu0
-        for p in procs:
-            p.join()
-        m = agent.metrics()
-    received = int(m.get("ckptwatch_events_received_total", 0))
-    rejected = int(m.get("ckptwatch_events_rejected_total", 0))
-    writes = int(m.get("ckptwatch_writes_total", 0))
-    print(f"{args.senders} senders x {args.events} events = {total} events; "
-          f"{os.cpu_count()} cpus")
-    print(f"received {received}, rejected {rejected}, writes {writes}, "
-          f"lost {total - received}")
-    print(f"elapsed {elapsed:.2f} s -> {received / elapsed:,.0f} events/s end to end; "
-          f"agent CPU {agent_cpu:.2f} s ({agent_cpu / elapsed:.0%} of one core, "
-          f"{agent_cpu / received * 1e6:.1f} us per event)")
-    return 0 if received == total else 1
+    total, _ = expected(args)
+    print("command: " + " ".join([os.path.basename(sys.executable), *sys.argv]))
+    print(f"load: {args.senders} senders x {args.conns} connection(s), {args.events} "
+          f"{args.kind} events each over {args.paths} paths ({total} events), hello "
+          f"{'yes' if args.hello else 'no'}; {os.cpu_count()} CPUs, load average "
+          f"{os.getloadavg()[0]:.1f}")
+    trees = ([("old", args.old)] if args.old else []) + [("new", REPO)]
+    results: dict[str, list] = {name: [] for name, _ in trees}
+    ok = True
+    for round_ in range(args.rounds):
+        for name, tree in trees:
+            r = run_agent(args, ctx, tree, profile_file(args.profile, name, args.old)
+                          if round_ == 0 else None)
+            results[name].append(r)
+            ok = ok and r["lost"] == 0
+            print(describe(r, name), flush=True)
+    if args.old:
+        import statistics
+        rate = {n: statistics.median(r["rate"] for r in rs) for n, rs in results.items()}
+        cpu = {n: statistics.median(r["us_per_event"] for r in rs) for n, rs in results.items()}
+        print(f"median of {args.rounds}: old {rate['old']:,.0f} events/s, "
+              f"{cpu['old']:.1f} us/event; new {rate['new']:,.0f} events/s, {cpu['new']:.1f} us/event; new/old rate "
+              f"{rate['new'] / rate['old']:.2f}x, CPU per event {cpu['new'] / cpu['old']:.2f}x; "
+              f"load average now {os.getloadavg()[0]:.1f}")
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

@@ -12,6 +12,12 @@ agent's case right after a save) and with this file's pages dropped before every
 (cold: posix_fadvise DONTNEED on this one file, the case of `scan` over old checkpoints).
 
     /opt/ckptwatch-venv/bin/python bench/scan_speed.py [--size-mib 320] [--file PATH]
+        [--old CHECKOUT --rounds 5]
+
+--old CHECKOUT also times that checkout's structural verify on the same file, cold and warm,
+in child processes (each tree's own directory first on sys.path), alternating old and new
+--rounds times with torch.load in between, and prints each tree's ratio to torch.load: the
+side-by-side comparison of two releases on a shared, loaded machine.
 """
 from __future__ import annotations
 
@@ -19,6 +25,7 @@ import argparse
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -82,12 +89,75 @@ def stdlib_deep(path: str):
         torchzip.crc32 = saved
 
 
+# Run in a child with one tree first on sys.path: median seconds of `repeat` structural
+# verifies of argv[2], warm (cached) and cold (this file's pages dropped before each).
+_CHILD = """
+import os, statistics, sys, time
+sys.path.insert(0, sys.argv[1])
+from monitor.verify.integrity import verify
+path, repeat = sys.argv[2], int(sys.argv[3])
+fd = os.open(path, os.O_RDONLY)
+def timed(cold):
+    times = []
+    for _ in range(repeat):
+        if cold:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        started = time.perf_counter()
+        verdict = verify(path)
+        times.append(time.perf_counter() - started)
+        assert verdict.status == "ok", verdict
+    return statistics.median(times)
+verify(path)
+print(timed(False), timed(True))
+"""
+
+
+def side_by_side(path: str, old: str, rounds: int, repeat: int) -> None:
+    """Structural verify of the old tree and this one vs torch.load, warm and cold, the
+    trees alternating in one run (see the module doc)."""
+    import torch
+    fd = os.open(path, os.O_RDONLY)
+    trees = (("old", os.path.abspath(old)), ("new", REPO))
+    got = {name: {"warm": [], "cold": []} for name, _ in trees}
+    loads = {"warm": [], "cold": []}
+    for _ in range(rounds):
+        for name, tree in trees:
+            out = subprocess.run([tree_python(tree), "-c", _CHILD, tree, path, str(repeat)],
+                                 capture_output=True, text=True, check=True, cwd=tree)
+            warm, cold = map(float, out.stdout.split())
+            got[name]["warm"].append(warm)
+            got[name]["cold"].append(cold)
+        plain_read(path)
+        loads["warm"].append(timed(lambda: torch.load(path), 1))
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        loads["cold"].append(timed(lambda: torch.load(path), 1))
+    os.close(fd)
+    print()
+    print(f"side by side, {rounds} rounds (median of medians; {repeat} verifies per round), "
+          f"load average {os.getloadavg()[0]:.1f}:")
+    print(f"{'':24}{'warm':>12}{'cold':>12}")
+    load = {c: statistics.median(v) for c, v in loads.items()}
+    print(f"{'torch.load':24}{load['warm']:12.4f}{load['cold']:12.4f}")
+    for name, tree in trees:
+        med = {c: statistics.median(v) for c, v in got[name].items()}
+        print(f"{'structural, ' + name:24}{med['warm']:12.4f}{med['cold']:12.4f}   "
+              f"{load['warm'] / med['warm']:,.0f}x / {load['cold'] / med['cold']:,.0f}x "
+              f"faster than torch.load ({tree})")
+
+
+def tree_python(tree: str) -> str:
+    own = os.path.join(tree, ".venv", "bin", "python")
+    return own if os.path.exists(own) else sys.executable
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--size-mib", type=int, default=320, help="checkpoint size to generate")
     p.add_argument("--file", help="measure this checkpoint instead of generating one")
     p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--old", help="an old checkout to measure side by side (structural)")
+    p.add_argument("--rounds", type=int, default=5, help="alternations with --old")
     args = p.parse_args(argv)
 
     import torch
@@ -108,6 +178,9 @@ def main(argv=None) -> int:
             print(f"the checkpoint does not verify: {v}")
             return 1
         print(f"records: {v.details['entries']}, storages: {v.details['storages']}")
+        if args.old:
+            side_by_side(path, args.old, args.rounds, args.repeat * 4)
+            return 0
 
         mib = size / 2**20
         fd = os.open(path, os.O_RDONLY)

@@ -219,6 +219,10 @@ class Grouping:
 
         force=True reports every pending group and chain regardless of time.
         """
+        if not force:
+            due = self._regroup_solo(state, now)
+            if due is not None:
+                return due
         settle, window, linger = self._settle, self._window, self._linger
         hold = settle + self._max_hold
         due = INF
@@ -303,6 +307,69 @@ class Grouping:
         state.barriers = new_barriers
         state.entries = [e for e in state.entries if not e.dropped]
         return due
+
+    def _regroup_solo(self, state: PathState, now: float) -> float | None:
+        """regroup() for the common path: every write on it by one Writer, one after another
+        (none overlapping, none from job scope), at most the last still in flight, no
+        barrier. Nothing there can be reported (one writer), so this only forgets what
+        regroup() would forget and returns the same next due, without building a Group per
+        write and a Chain per run: a rank saving its own file again and again is regrouped
+        once per save (issue 22). None when the path is not such a case."""
+        entries = state.entries
+        if state.barriers or state.nan_start or not entries:
+            return None
+        writer = entries[0].writer
+        prev = None
+        for entry in entries:
+            if entry.writer is not writer or entry.source == SOURCE_JOB:
+                return None
+            if prev is not None and (prev.end_mono is None or entry.start_mono < prev.stop
+                                     or entry.start_mono <= prev.start_mono):
+                return None
+            prev = entry
+        settle, window = self._settle, self._window
+        due = INF
+        if writer.run_key is None:
+            # Without a job run a write can only still join a group through a late start.
+            for entry in entries:
+                if entry.end_mono is None:
+                    continue
+                if now >= entry.done_at + settle:
+                    entry.dropped = True
+                else:
+                    due = min(due, entry.done_at + settle)
+        else:
+            # One chain per stretch of saves each within `window` of the previous (and at
+            # most MAX_CHAIN_WRITES): a one-writer chain is never reported; its old saves
+            # are forgotten after `settle`, all of it once it is closed and settled.
+            chain: list = []
+            for entry in entries:
+                if chain and (entry.start_mono - chain[-1].stop > window
+                              or len(chain) >= MAX_CHAIN_WRITES):
+                    due = min(due, self._settle_solo_chain(chain, True, now))
+                    chain = []
+                chain.append(entry)
+            due = min(due, self._settle_solo_chain(chain, False, now))
+        state.entries = [e for e in entries if not e.dropped]
+        return due
+
+    def _settle_solo_chain(self, chain: list, closed: bool, now: float) -> float:
+        """_settle_chain for a chain of one writer's writes (entries, not groups)."""
+        settle = self._settle
+        for entry in chain[:-1]:
+            if now >= entry.done_at + settle:
+                entry.dropped = True
+        last = chain[-1]
+        if last.end_mono is None:
+            return INF
+        settled_at = max(e.done_at for e in chain) + settle
+        closed_at = settled_at if closed else last.done_at + self._window + settle
+        ready_at = max(settled_at, closed_at)
+        if now >= ready_at:
+            for entry in chain:
+                entry.dropped = True
+            return INF
+        return ready_at
 
     def shed(self, state: PathState, out: list) -> None:
         """Report and forget the oldest finished writes of an overfull path."""

@@ -88,7 +88,9 @@ class WriteTracker:
     def needs_attribution(self, ev: FsEvent) -> bool:
         """Whether the caller should attribute `ev` (a procscan) before observe()."""
         if self.exact_writers:
-            return ev.kind in (OPENED, CLOSED_NOWRITE)      # readers, for torn reads
+            # The kernel names writers and readers alike (ExactAttribution): a scan would
+            # only repeat it, at a few ms of /proc reads per open (issue 22).
+            return False
         if ev.kind in (OPENED, CLOSED_WRITE, CLOSED_NOWRITE):
             return True
         # Also on every write: inotify reports an open from inside open(2), before the new fd
@@ -110,6 +112,19 @@ class WriteTracker:
         """Pids currently tracked as writing `path`."""
         state = self._paths.get(path)
         return sorted(state.writers) if state else []
+
+    def open_writes(self, path: str) -> dict:
+        """pid -> the write in flight on `path` (a copy): what a reader opening it now reads
+        under."""
+        state = self._paths.get(path)
+        return dict(state.writers) if state else {}
+
+    def torn_read(self, path: str, reader, writes, mono: float, wall: float) -> Finding:
+        """Finding torn_read: `reader` (a procscan.Holder) read `path` while `writes` (the
+        in-flight writes open_writes() gave, of other pids) were writing it."""
+        return self._finding(FINDING_TORN_READ, path, writes, FsEvent(CLOSED_NOWRITE, path,
+                                                                      None, mono, wall),
+                             reader=dict(self._identity(reader), mode=reader.mode))
 
     def write_started(self, path: str, proc, mono: float, wall: float) -> list:
         """`proc` (a procscan.Holder) began writing `path` at mono/wall: known exactly
@@ -195,7 +210,8 @@ class WriteTracker:
             before = self._sizes.get(path)
             if before is not None and ev.size < before:
                 if state is not None and len(state.writers) >= 2:
-                    out.append(self._finding(FINDING_SIZE_FLUCTUATION, path, state, ev,
+                    out.append(self._finding(FINDING_SIZE_FLUCTUATION, path,
+                                             state.writers.values(), ev,
                                              size_before=before, size_after=ev.size))
                 else:
                     self.counts["truncations"] += 1
@@ -241,7 +257,7 @@ class WriteTracker:
                 continue
             state.readers[pid] = proc
             if any(w != pid for w in state.writers):
-                out.append(self._finding(FINDING_TORN_READ, path, state, ev,
+                out.append(self._finding(FINDING_TORN_READ, path, state.writers.values(), ev,
                                          reader=dict(self._identity(proc), mode=proc.mode)))
         return state
 
@@ -313,10 +329,10 @@ class WriteTracker:
                      mono=opened.start_mono if mono is None else mono, source=SOURCE_FS)
         return event
 
-    def _finding(self, kind, path, state, ev, **details) -> Finding:
+    def _finding(self, kind, path, writes, ev, **details) -> Finding:
         self.counts[kind] += 1
         writers = []
-        for opened in sorted(state.writers.values(), key=lambda o: (o.start_mono, o.seq)):
+        for opened in sorted(writes, key=lambda o: (o.start_mono, o.seq)):
             w = self._identity(opened.proc)
             w.update(mode=opened.proc.mode, seq=opened.seq, start_mono=opened.start_mono,
                      start_wall=opened.start_wall)
@@ -371,6 +387,12 @@ class ExactAttribution:
     and is forgotten. Files that `matches` rejects (temporary files) only have their last
     writer noted, so a rename into place is attributed (WriteTracker.note_write).
     `describe(pid, mode)` gives the writer's identity (procscan.ProcScanner.describe).
+
+    Readers are the kernel's too: an open that ends in CLOSE_NOWRITE was a read, and if
+    another process was writing the file at its open or began to before its close, it is a
+    torn read, reported at that close (only then is it known that the opener never wrote).
+    So with fanotify no event of a watched file needs a /proc scan (WriteTracker
+    .needs_attribution); only a rescan after lost events reads /proc.
     """
 
     def __init__(self, tracker: WriteTracker, describe: Callable,
@@ -381,6 +403,10 @@ class ExactAttribution:
         self._matches = matches
         self._max_pending = max_pending
         self._pending: OrderedDict = OrderedDict()      # (pid, path) -> (mono, wall) of open
+        # path -> {reader pid -> {writer pid -> _Open}}: opens not (yet) known to write, and
+        # the other processes' writes in flight during them; at most max_pending opens.
+        self._reads: OrderedDict = OrderedDict()
+        self._n_reads = 0
 
     def observe(self, ev) -> list:
         out: list = []
@@ -396,20 +422,70 @@ class ExactAttribution:
             self._pending.move_to_end(key)
             if len(self._pending) > self._max_pending:
                 self._pending.popitem(last=False)
-        if ev.mask & (FAN_MODIFY | FAN_CLOSE_WRITE) and \
-                ev.pid not in self.tracker.writing(ev.path):
-            if ev.mask & FAN_OPEN:                      # merged: opened after ev.since
-                self._pending.pop(key, None)
-                mono, wall = ev.since, ev.since_wall
-            else:
-                mono, wall = self._pending.pop(key, (ev.mono, ev.wall))
-            out += self.tracker.write_started(ev.path, self._describe(ev.pid, "w"), mono, wall)
+            self._read_opened(ev.pid, ev.path)
+        if ev.mask & (FAN_MODIFY | FAN_CLOSE_WRITE):
+            self._read_forget(ev.pid, ev.path)          # it writes: not a reader
+            if ev.pid not in self.tracker.writing(ev.path):
+                if ev.mask & FAN_OPEN:                      # merged: opened after ev.since
+                    self._pending.pop(key, None)
+                    mono, wall = ev.since, ev.since_wall
+                else:
+                    mono, wall = self._pending.pop(key, (ev.mono, ev.wall))
+                started = self.tracker.write_started(ev.path, self._describe(ev.pid, "w"),
+                                                     mono, wall)
+                if started:
+                    self._reads_see_writer(ev.pid, ev.path)
+                out += started
         if ev.mask & FAN_CLOSE_WRITE:
             self._pending.pop(key, None)
             out += self.tracker.write_ended(ev.path, ev.pid, ev.mono, ev.wall, _size(ev.path))
         elif ev.mask & FAN_CLOSE_NOWRITE:
             self._pending.pop(key, None)
+            out += self._read_closed(ev)
         return out
+
+    # ------------------------------------------------------------------ readers
+
+    def _read_opened(self, pid: int, path: str) -> None:
+        readers = self._reads.get(path)
+        if readers is None:
+            readers = self._reads[path] = {}
+        elif pid in readers:
+            return
+        readers[pid] = {w: o for w, o in self.tracker.open_writes(path).items() if w != pid}
+        self._n_reads += 1
+        while self._n_reads > self._max_pending:     # forget the oldest path's opens
+            _, dropped = self._reads.popitem(last=False)
+            self._n_reads -= len(dropped)
+
+    def _read_forget(self, pid: int, path: str) -> dict | None:
+        readers = self._reads.get(path)
+        if readers is None or pid not in readers:
+            return None
+        writes = readers.pop(pid)
+        self._n_reads -= 1
+        if not readers:
+            del self._reads[path]
+        return writes
+
+    def _reads_see_writer(self, pid: int, path: str) -> None:
+        """`pid` began writing `path`: every other open of it in progress reads under it."""
+        opened = self.tracker.open_writes(path).get(pid)
+        for reader, writes in self._reads.get(path, {}).items():
+            if reader != pid and opened is not None:
+                writes[pid] = opened
+
+    def _read_closed(self, ev) -> list:
+        """A read of ev.path by ev.pid ended: a torn read if another process wrote the file
+        meanwhile (an open merged into this event: whoever writes it now)."""
+        writes = self._read_forget(ev.pid, ev.path) or {}
+        for pid, opened in self.tracker.open_writes(ev.path).items():
+            if pid != ev.pid:
+                writes.setdefault(pid, opened)
+        if not writes:
+            return []
+        return [self.tracker.torn_read(ev.path, self._describe(ev.pid, "r"),
+                                       list(writes.values()), ev.mono, ev.wall)]
 
 
 def rescan(root: str, tracker: WriteTracker, scanner, matches: Callable[[str], bool],

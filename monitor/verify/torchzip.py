@@ -118,8 +118,14 @@ def _check_archive(f, end: int, deep: bool, throttle, allow_prefix: bool):
     cd_start = start + cd_offset
     entries.sort(key=lambda e: e.offset)       # file order: header reads share pages
     cold = _prefetch_headers(f, entries)
+    early = None
     for e in entries:
         _check_local(f, e, cd_start)
+        if early is None and e.name.endswith("/data.pkl"):
+            # torch writes data.pkl first: its header is in the page read already. Parse it
+            # now, while the kernel fetches the other headers (on a cold file the loop would
+            # otherwise wait for them and then parse); its verdict is given in its turn.
+            early = _parse_pickle_early(f, e)
     if entries[0].offset != start:
         raise Corrupt(f"first record starts at {entries[0].offset}, not at the archive start "
                       f"{start}")
@@ -129,7 +135,7 @@ def _check_archive(f, end: int, deep: bool, throttle, allow_prefix: bool):
                           f"{b.name} starts at {b.offset})")
     if entries[-1].end > cd_start:
         raise Corrupt(f"record {entries[-1].name} runs into the central directory")
-    info = _check_torch_layout(f, entries)
+    info = _check_torch_layout(f, entries, early)
     info["entries"] = len(entries)
     if deep:
         if cold:
@@ -279,8 +285,20 @@ def _check_local(f, e: _Entry, cd_start: int) -> None:
     e.end = data_end
 
 
-def _check_torch_layout(f, entries: list) -> dict:
-    """One archive prefix, data.pkl consistent with the data/<key> records, version present."""
+def _parse_pickle_early(f, pkl: _Entry) -> tuple:
+    """(the data.pkl entry, pickle_contents' answer or the Corrupt/Unverifiable it raised);
+    (pkl, None) when it is too large to parse."""
+    if pkl.csize > MAX_PICKLE_BYTES:
+        return pkl, None
+    try:
+        return pkl, pickle_contents(pread(f, pkl.data_start, pkl.csize), "data.pkl")
+    except (Corrupt, Unverifiable) as e:
+        return pkl, e
+
+
+def _check_torch_layout(f, entries: list, early: tuple | None = None) -> dict:
+    """One archive prefix, data.pkl consistent with the data/<key> records, version present.
+    early: _parse_pickle_early's answer for a data.pkl entry, used if it is this archive's."""
     prefixes = {e.name.split("/", 1)[0] for e in entries}
     if len(prefixes) != 1 or any("/" not in e.name for e in entries):
         raise Corrupt(f"entries from different archives mixed: {sorted(prefixes)[:4]}")
@@ -300,7 +318,12 @@ def _check_torch_layout(f, entries: list) -> dict:
         raise Corrupt("byteorder record holds neither 'little' nor 'big'")
     if pkl.csize > MAX_PICKLE_BYTES:
         return {"storages": 0, "unsized_storages": 0, "pickle_unparsed": pkl.csize}
-    storages, names = pickle_contents(pread(f, pkl.data_start, pkl.csize), "data.pkl")
+    if early is not None and early[0] is pkl and early[1] is not None:
+        if isinstance(early[1], Exception):
+            raise early[1]
+        storages, names = early[1]
+    else:
+        storages, names = pickle_contents(pread(f, pkl.data_start, pkl.csize), "data.pkl")
     unsized = 0
     for key, (type_name, numel) in storages.items():
         record = by_name.get(f"data/{key}")

@@ -50,6 +50,7 @@ log = logging.getLogger("ckptwatch.verifier")
 RESULT_GONE = "gone"        # the file was renamed or deleted before it could be verified
 RESULTS = (integrity.OK, integrity.CORRUPT, integrity.UNVERIFIABLE, RESULT_GONE)
 MAX_REMEMBERED = 10000      # files whose last verified (size, mtime, inode) is kept
+_NEVER = float("inf")       # the due time of a path being written: due only after its end
 
 
 @dataclass(frozen=True)
@@ -141,6 +142,13 @@ class VerifySchedule:
     _sets: dict = field(default_factory=dict)          # set directory -> when it is due
     _runs: OrderedDict = field(default_factory=OrderedDict)   # path -> last writer's run key
 
+    def _due_in_order(self) -> bool:
+        """The invariant due() relies on (tests): a hook path's due time is set only when it
+        is put last in _due (now + quiet, the clock never going back) or made _NEVER in
+        place, so the finite ones rise in _due's order."""
+        ats = [e.at for e in self._due.values() if e.at != _NEVER]
+        return ats == sorted(ats)
+
     def _entry(self, path: str):
         return self._due_watched.get(path) or self._due.get(path)
 
@@ -164,8 +172,8 @@ class VerifySchedule:
         `sender`: the hook's Rights; watched: the agent's own watcher saw the write."""
         entry = self._entry(path)
         if entry is not None:
-            entry.at = float("inf")
-        self._set_busy(path, float("inf"))     # a set being written is not quiet either
+            entry.at = _NEVER
+        self._set_busy(path, _NEVER)           # a set being written is not quiet either
         if watched or sender is not None:
             self._note(path, None if watched else sender)
 
@@ -185,9 +193,12 @@ class VerifySchedule:
             return
         if path in self._watched:              # already readable with the agent's rights
             return
+        known = self._senders.get(path)
+        if known is not None and sender in known:   # the usual case: the same hook again
+            self._senders.move_to_end(path)
+            return
         known = self._senders.pop(path, ())
-        if sender not in known:
-            known = (known + (sender,))[-MAX_SENDERS:]
+        known = (known + (sender,))[-MAX_SENDERS:]
         self._senders[path] = known
         if len(self._senders) > self.max_paths:
             self._senders.popitem(last=False)
@@ -202,6 +213,9 @@ class VerifySchedule:
     def note_run(self, path: str, run_key) -> None:
         """The run key of `path`'s last writer (a finished Write), for set checks."""
         if run_key is None:
+            return
+        if self._runs.get(path) == run_key:
+            self._runs.move_to_end(path)
             return
         self._runs.pop(path, None)
         self._runs[path] = run_key
@@ -248,8 +262,15 @@ class VerifySchedule:
         for path, _, _, _ in ready:
             del self._due_watched[path]
             self._watched.pop(path, None)      # the next write says again whose rights
-        hook = [(p, e.job, e.collision_id, self._senders.get(p, ()))
-                for p, e in self._due.items() if e.at <= now]
+        hook = []
+        for p, e in self._due.items():
+            if e.at <= now:
+                hook.append((p, e.job, e.collision_id, self._senders.get(p, ())))
+            elif e.at != _NEVER:
+                # Hook paths are due in the order they were put in (_due_in_order): none
+                # after a later one is due yet. Only paths still being written (at _NEVER)
+                # are stepped over, so a tick costs the due paths, not every path known.
+                break
         for path, _, _, _ in hook:
             del self._due[path]
             self._senders.pop(path, None)

@@ -903,3 +903,69 @@ def test_writer_key_is_the_events_writer_fields_in_order():
     assert Writer(*writer_key(event)) == Writer.from_event(event)
     del event["rank"], event["restart"]         # optional fields: None when absent
     assert writer_key(event) == tuple(map(event.get, WRITER_FIELDS))
+
+
+# ------------------------------------------------------------ one writer's path, fast (issue 22)
+
+def _solo_path(rng, run, n, in_flight, gaps=(0.0, 0.001, 0.5, 2.0, 59.0, 61.0, 200.0)):
+    """A PathState of n writes by one Writer, one after another, gaps around the window."""
+    from monitor.detect.model import Writer
+    from monitor.detect.tracked import Entry, PathState
+    writer = Writer("n1", 7, job="j1" if run else None, restart=0 if run else None)
+    state, t = PathState(PATH), 1000.0
+    for i in range(n):
+        t += rng.choice(gaps)
+        e = Entry(writer, PATH, i, WALL0 + t, t, "x.py:1", "f", i, t)
+        duration = rng.choice((0.0, 0.01, 0.3))
+        if not (in_flight and i == n - 1):
+            e.finish(WALL0 + t + duration, t + duration, 100, "ok",
+                     t + duration + rng.choice((0.0, 0.2)))
+        state.insert(e)
+        t += duration
+    return state, t
+
+
+def _regroup(state, now, fast):
+    import copy
+
+    from monitor.detect.grouping import Grouping
+    g = Grouping(60.0, 1.0, 3.0, 3.0, lambda: WALL0)
+    if not fast:
+        g._regroup_solo = lambda state, now: None     # the general way, as before
+    state = copy.deepcopy(state)
+    out: list = []
+    due = g.regroup(state, now, False, out)
+    return due, [(e.seq, e.start_mono) for e in state.entries], out
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_a_one_writer_path_is_regrouped_as_the_general_way_does(seed):
+    """The short way for a path holding one writer's saves forgets the same writes and asks
+    for the same next look as building its groups and chains; nothing is reported."""
+    rng = random.Random(seed)
+    # Every fifth: a chain longer than MAX_CHAIN_WRITES (saves well within the window).
+    gaps = (0.001, 0.5, 2.0) if seed % 5 == 0 else (0.0, 0.001, 0.5, 2.0, 59.0, 61.0, 200.0)
+    state, t = _solo_path(rng, run=seed % 2 == 0, in_flight=seed % 3 == 0, gaps=gaps,
+                          n=MAX_CHAIN_WRITES + 20 if seed % 5 == 0 else
+                          rng.choice((1, 2, 5, 40, 300)))
+    for now in (t, t + 0.5, t + 1.0, t + 1.5, t + 30.0, t + 61.0, t + 62.0, t + 500.0):
+        fast = _regroup(state, now, True)
+        assert fast == _regroup(state, now, False), (seed, now)
+        assert fast[2] == []
+
+
+def test_a_one_writer_path_saved_again_and_again_stays_small_and_reports_nothing():
+    clock = FakeClock()
+    d = Detector(window=60.0, settle=1.0, clock=clock)
+    out = []
+    for seq in range(500):
+        t = clock.now
+        out += d.observe(start(5, seq, t))
+        clock.now += 0.05
+        out += d.observe(end(5, seq, clock.now, t))
+        clock.now += 0.3
+        out += d.tick()
+    assert [type(o) for o in out] == [Write] * 500
+    assert len(d._paths[PATH].entries) <= 5
+    clock.now += 62.0
+    assert d.tick() == [] and d.tracked_paths == 0

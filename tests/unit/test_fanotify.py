@@ -234,14 +234,14 @@ def test_reads_are_not_writes_and_an_empty_write_open_is():
     assert [(e["type"], e["mono"]) for e in out] == [("start", 1002.0), ("end", 1003.0)]
 
 
-def test_exact_mode_scans_only_decide_readers():
-    """/proc scans (inotify opens) keep finding readers for torn reads, but neither start
-    nor end writers: the kernel's account of writers is not overruled by a late scan."""
+def test_exact_mode_needs_no_scan_and_a_scan_never_overrules_the_kernel():
+    """With fanotify no inotify event asks for a /proc scan (issue 22: the kernel names
+    writers and readers); a scan's holders, if given, still find readers but neither start
+    nor end writers, and only a rescan after lost events decides writers."""
     tracker, exact = _exact()
     exact.observe(_fe(FAN_MODIFY, 1, 0))
-    assert tracker.needs_attribution(FsEvent("opened", "/c/a.pt", 0, 1000.1, 0.0))
-    assert not tracker.needs_attribution(FsEvent("modified", "/c/a.pt", 0, 1000.1, 0.0))
-    assert not tracker.needs_attribution(FsEvent("closed_write", "/c/a.pt", 0, 1000.1, 0.0))
+    for kind in ("opened", "modified", "closed_write", "closed_nowrite", "created"):
+        assert not tracker.needs_attribution(FsEvent(kind, "/c/a.pt", 0, 1000.1, 0.0))
     reader = Holder(Writer("n1", 9, job="eval"), "r")
     stray = Holder(Writer("n1", 7), "w")                  # a writer only the scan shows
     out = tracker.observe(FsEvent("opened", "/c/a.pt", 10, 1000.2, 0.0), [reader, stray])
@@ -254,6 +254,62 @@ def test_exact_mode_scans_only_decide_readers():
     out = tracker.observe(FsEvent("modified", "/c/a.pt", 10, 1000.4, 0.0), [],
                           reconcile_writers=True)
     assert [(e["type"], e["pid"]) for e in out] == [("end", 1)]
+
+
+def _torn(out):
+    return [(f.writers[0]["pid"] if f.writers else None, f.details["reader"]["pid"])
+            for f in out if getattr(f, "kind", None) == "torn_read"]
+
+
+def test_a_read_while_another_process_writes_is_a_torn_read_at_its_close():
+    tracker, exact = _exact()
+    out = exact.observe(_fe(FAN_OPEN | FAN_MODIFY, 1, 0))        # 1 writes
+    out += exact.observe(_fe(FAN_OPEN, 3, 1))                    # 3 opens: reader or writer?
+    assert _torn(out) == []
+    out += exact.observe(_fe(FAN_CLOSE_NOWRITE, 3, 2))           # a reader
+    assert _torn(out) == [(1, 3)]
+    finding = [f for f in out if getattr(f, "kind", None) == "torn_read"][0]
+    assert finding.path == "/c/a.pt" and finding.details["reader"]["mode"] == "r"
+    assert finding.details["mono"] == 1002.0
+
+
+def test_a_write_begun_and_ended_during_a_read_tears_it():
+    tracker, exact = _exact()
+    out = exact.observe(_fe(FAN_OPEN, 3, 0))                     # 3 reads first
+    out += exact.observe(_fe(FAN_OPEN | FAN_MODIFY, 1, 1))
+    out += exact.observe(_fe(FAN_CLOSE_WRITE, 1, 2))             # 1 is done before 3 is
+    out += exact.observe(_fe(FAN_CLOSE_NOWRITE, 3, 3))
+    assert _torn(out) == [(1, 3)]
+    # A read merged into one event (open and close) while 1 writes again: torn as well.
+    out = exact.observe(_fe(FAN_OPEN | FAN_MODIFY, 1, 4))
+    out += exact.observe(_fe(FAN_OPEN | FAN_CLOSE_NOWRITE, 4, 5))
+    assert _torn(out) == [(1, 4)]
+
+
+def test_reads_alone_an_own_read_and_a_writers_open_are_no_torn_reads():
+    tracker, exact = _exact()
+    out = exact.observe(_fe(FAN_OPEN, 3, 0))
+    out += exact.observe(_fe(FAN_CLOSE_NOWRITE, 3, 1))           # nobody writes
+    out += exact.observe(_fe(FAN_OPEN, 2, 2))                    # 2 opens, then writes:
+    out += exact.observe(_fe(FAN_OPEN, 5, 3))
+    out += exact.observe(_fe(FAN_MODIFY, 2, 4))                  # a writer, not a reader
+    out += exact.observe(_fe(FAN_MODIFY, 5, 5))
+    out += exact.observe(_fe(FAN_CLOSE_WRITE, 2, 6))
+    out += exact.observe(_fe(FAN_OPEN | FAN_CLOSE_NOWRITE, 5, 7))  # the writer reads its own
+    out += exact.observe(_fe(FAN_CLOSE_WRITE, 5, 8))
+    assert _torn(out) == []
+    assert [e["type"] for e in out] == ["start", "start", "end", "end"]
+
+
+def test_open_reads_are_bounded():
+    tracker = WriteTracker(node="n1", exact_writers=True)
+    exact = ExactAttribution(tracker, _describe, max_pending=8)
+    for pid in range(100, 150):
+        exact.observe(_fe(FAN_OPEN, pid, pid, path=f"/c/{pid}.pt"))
+    assert sum(len(r) for r in exact._reads.values()) <= 8
+    exact.observe(_fe(FAN_OPEN | FAN_MODIFY, 1, 200, path="/c/149.pt"))
+    out = exact.observe(_fe(FAN_CLOSE_NOWRITE, 149, 201, path="/c/149.pt"))
+    assert _torn(out) == [(1, 149)]                             # the newest ones are kept
 
 
 def test_describe_reads_a_live_process_and_survives_a_gone_one():
@@ -381,3 +437,61 @@ def test_a_read_reports_whether_it_emptied_the_queue(tmp_path):
         assert flags[0] is False and flags[-1] is True
     finally:
         fan.close()
+
+
+# --------------------------------------------------------------------- /proc scans per save
+
+SAVES = """
+import sys
+for i in range(int(sys.argv[2])):
+    with open(sys.argv[1], "wb") as f:
+        f.write(b"x" * 4096)
+with open(sys.argv[1], "rb") as f:       # a reader of its own file: not a torn read
+    f.read()
+"""
+
+
+@pytest.fixture
+def fan_source(tmp_path):
+    """(source, items): a started FsSource with fanotify attribution on tmp_path/ckpt and
+    every item it delivered."""
+    from monitor.fs.source import FsSource
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    items, lock = [], threading.Lock()
+
+    def deliver(batch):
+        with lock:
+            items.extend(batch)
+    src = FsSource([str(root)], ["*.pt"], "inotify", 1.0, "n1", deliver,
+                   attribution="fanotify")
+    src.start()
+    yield src, str(os.path.realpath(root)), items
+    src.stop()
+
+
+def _ends(items, path):
+    return [i for i in list(items) if isinstance(i, dict) and i["type"] == "end"
+            and i["path"] == path]
+
+
+@needs_fanotify
+def test_saves_fanotify_named_cost_no_proc_scan(fan_source):
+    """Issue 22: with fanotify naming every writer (and reader), the agent reads no
+    /proc/<pid>/fd for a save: not for its open, its writes, its close, nor a read of it."""
+    src, root, items = fan_source
+    path = os.path.join(root, "a.pt")
+    child = subprocess.run([sys.executable, "-c", SAVES, path, "5"], timeout=60)
+    assert child.returncode == 0
+    # (The kernel may merge one process's saves of one file into fewer events.)
+    ends = wait_for(lambda: _ends(items, path), timeout=20, message="an attributed save")
+    writers = {e["pid"] for e in ends}
+    assert len(writers) == 1 and os.getpid() not in writers
+    # Everything the watcher queued is handled before a marker written after the saves.
+    marker = os.path.join(root, "marker.pt")
+    with open(marker, "wb") as f:
+        f.write(b"m")
+    wait_for(lambda: any(getattr(i, "path", None) == marker for i in list(items)),
+             timeout=20, message="the marker's notice")
+    assert src.scanner.stats()["scans"] == 0
+    assert not [i for i in list(items) if getattr(i, "kind", None) == "torn_read"]

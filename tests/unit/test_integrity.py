@@ -166,6 +166,26 @@ def test_missing_storage_record_and_version(clean, tmp_path):
     assert verify(same, deep=True).status == OK
 
 
+def test_a_bad_pickle_is_reported_in_its_turn(clean, tmp_path):
+    """data.pkl is parsed while the other headers are read (issue 22: cold verification),
+    but a damage found before it in the old order still gives the reason."""
+    garbage = lambda n, d: b"\x80\x02garbage" if n.endswith("/data.pkl") else d  # noqa: E731
+    bad_pickle = _rewrite(clean["all_dtypes"], str(tmp_path / "pkl.pt"), garbage)
+    v = verify(bad_pickle)
+    assert v.status == CORRUPT and "data.pkl is not a valid pickle" in v.reason, v
+    no_version = _rewrite(clean["all_dtypes"], str(tmp_path / "pkl-nover.pt"),
+                          lambda n, d: None if n.endswith("/version") else garbage(n, d))
+    assert "no version record" in verify(no_version).reason
+    # A later record's local header overwritten: that, not the pickle, is the reason.
+    data = bytearray(open(bad_pickle, "rb").read())
+    last = data.rindex(b"PK\x03\x04")
+    data[last:last + 4] = b"XXXX"
+    torn = tmp_path / "pkl-header.pt"
+    torn.write_bytes(bytes(data))
+    v = verify(str(torn))
+    assert v.status == CORRUPT and "no local header" in v.reason, v
+
+
 def test_compressed_or_mixed_archives(clean, tmp_path):
     src = clean["nested_containers"]
     deflated = str(tmp_path / "deflated.pt")
