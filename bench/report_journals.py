@@ -7,8 +7,9 @@ For each (kind, size) a journal is generated once (bench/report_journals.py's `g
 `hazards` = one hazard record per path, as a job-scope agent journals them; `writes` = finished
 writes of 16 ranks on 1,000 paths with a concurrent collision every 100 writes), then
 `ckptwatch report --format F -o FILE` runs under each tree in turn (old, new, old, new...:
-same load), each in a child whose peak RSS is read from wait4(). A run is cut at --timeout
-seconds (reported as "> T s"). Output bytes are the report file's size.
+same load), each in a child whose peak RSS is read from wait4() and whose address space is
+capped at --max-gib (a report that reaches it fails with MemoryError: its exit code shows it).
+A run is cut at --timeout seconds (reported as "> T s"). Output bytes are the report file's size.
 
 Not a test: figures go into docs/report.md with the command and the load (uptime).
 """
@@ -68,7 +69,15 @@ def generate(path: str, kind: str, n: int) -> None:
                          f'"ts":{start + 1}}}\n')
 
 
-def run_once(tree: str, journal: str, fmt: str, timeout: float) -> tuple:
+def _limit(gib: float):
+    def apply():
+        import resource
+        cap = int(gib * 2 ** 30)
+        resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
+    return apply
+
+
+def run_once(tree: str, journal: str, fmt: str, timeout: float, max_gib: float = 8.0) -> tuple:
     """(seconds or None if cut, peak RSS in MiB, output bytes, exit code) of one report."""
     out = tempfile.mktemp(suffix="." + fmt, dir=os.path.dirname(journal))
     python = os.path.join(tree, ".venv", "bin", "python")
@@ -78,7 +87,7 @@ def run_once(tree: str, journal: str, fmt: str, timeout: float) -> tuple:
            "-o", out]
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=tree, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+                            stderr=subprocess.DEVNULL, preexec_fn=_limit(max_gib))
     seconds = None
     while True:
         pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
@@ -106,6 +115,9 @@ def main(argv=None) -> int:
     parser.add_argument("--kinds", nargs="+", default=["hazards", "writes"])
     parser.add_argument("--formats", nargs="+", default=["table", "json", "html"])
     parser.add_argument("--timeout", type=float, default=400.0)
+    parser.add_argument("--max-gib", type=float, default=8.0,
+                        help="address-space cap of each report (a shared machine must not "
+                             "run out of memory; a report that hits it exits 1: MemoryError)")
     parser.add_argument("--dir", default=None, help="where journals go (default: a temp dir)")
     args = parser.parse_args(argv)
     print(f"load: {os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f} "
@@ -120,7 +132,8 @@ def main(argv=None) -> int:
                 label = f"{n:,} {kind} ({os.path.getsize(journal) >> 20} MiB)"
                 for fmt in args.formats:
                     for name, tree in (("old", args.old), ("new", args.new)):
-                        seconds, rss, size, code = run_once(tree, journal, fmt, args.timeout)
+                        seconds, rss, size, code = run_once(tree, journal, fmt, args.timeout,
+                                                             args.max_gib)
                         shown = f"> {args.timeout:.0f}" if seconds is None else f"{seconds:.1f}"
                         print(f"{label:<22} {fmt:<6} {name:<4} {shown:>9} "
                               f"{rss:>7.0f} MiB {size / 2**20:>6.1f} MiB {code:>4}",

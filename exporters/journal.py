@@ -548,15 +548,26 @@ class JournalExporter:
         self._bad: OrderedDict[str, None] = OrderedDict()          # last journaled: bad
         self._collided: OrderedDict[str, None] = OrderedDict()     # a collision wrote it
 
-    def remember(self, path: str, bad: bool = False, collided: bool = False) -> None:
-        """Note a path's last journaled verdict was bad, or that a collision wrote it (the
-        agent calls this for what it restores from the journal at start)."""
-        for flag, paths in ((bad, self._bad), (collided, self._collided)):
-            if flag:
-                paths.pop(path, None)
-                paths[path] = None
-                if len(paths) > MAX_REMEMBERED_PATHS:
-                    paths.popitem(last=False)
+    def remember(self, path: str, bad: bool = False, collided: bool = False,
+                 verdict: bool = False) -> None:
+        """Note that a collision wrote `path` (collided), or that a verdict on it was
+        journaled (verdict; bad: corrupt, unverifiable or incomplete). The exporter calls it
+        for what it journals; the agent at start for what it reads back from the journal."""
+        if collided:
+            self._note(self._collided, path)
+        if verdict:
+            self._collided.pop(path, None)      # the collision's file has its verdict
+            if bad:
+                self._note(self._bad, path)
+            else:
+                self._bad.pop(path, None)
+
+    @staticmethod
+    def _note(paths: OrderedDict, path: str) -> None:
+        paths.pop(path, None)
+        paths[path] = None
+        if len(paths) > MAX_REMEMBERED_PATHS:
+            paths.popitem(last=False)
 
     def _write(self, item) -> None:
         self.journal.write(item)     # never raises; a lost line is counted by the journal
@@ -580,11 +591,7 @@ class JournalExporter:
         if bad or finding.get("pickle") == "full_unpickle" or finding.get("collision_id") \
                 or path in self._bad or path in self._collided:
             self._write(finding)
-            self._collided.pop(path, None)      # its verdict is on record
-            if bad:
-                self.remember(path, bad=True)
-            else:
-                self._bad.pop(path, None)
+            self.remember(path, bad=bad, verdict=True)
         if bad:
             self.journal.flush()
 

@@ -21,6 +21,10 @@ from monitor.detect.model import FINDING_HAZARD, Collision, Write
 MAX_WRITES_KEPT = 100_000           # writes kept for the timeline (html only)
 MAX_RECORDS_KEPT = 10_000           # per list: collisions, hazards, findings, other records
 MAX_VERDICT_PATHS = 10_000          # files whose latest verdict is kept
+# Weight kept per list (collisions, hazards, findings), by journalrecords.sized's count of the
+# kept strings and values: a record may hold up to ~1 MiB of them, and 10,000 such records
+# must not take 10 GiB. Measured: docs/report.md.
+MAX_KEPT_BYTES = 64 << 20
 MAX_JOBS_KEPT = 1_000
 MAX_COLLISION_WRITERS = 10_000      # about what one journal line (MAX_LINE_BYTES) holds
 # Identities remembered to show a collision or hazard several journals (or exporters) hold
@@ -45,6 +49,7 @@ class PathVerdict:
 
     latest: dict
     superseded: dict | None = None
+    weight: int = 0
 
     def record(self) -> dict:
         """The latest verdict's record, with "supersedes": the bad one it replaced."""
@@ -56,23 +61,40 @@ class PathVerdict:
 
 
 class _Bounded(list):
-    """A list that keeps its newest `cap` items (trimmed in batches: amortised O(1))."""
+    """A list that keeps its newest items: at most `cap` of them weighing at most `max_bytes`
+    (a weight per item, journalrecords.sized). Trimmed in batches: amortised O(1)."""
 
-    def __init__(self, cap: int):
+    def __init__(self, cap: int, max_bytes: int = MAX_KEPT_BYTES):
         super().__init__()
-        self.cap = cap
+        self.cap, self.max_bytes = cap, max_bytes
+        self.weights: list = []
+        self.bytes = 0
         self.dropped = 0
 
-    def add(self, item) -> None:
+    def add(self, item, weight: int = 0) -> None:
         self.append(item)
-        if len(self) >= 2 * self.cap:
+        self.weights.append(weight)
+        self.bytes += weight
+        if len(self) >= 2 * self.cap or self.bytes > 2 * self.max_bytes:
             self.trim()
 
     def trim(self) -> None:
-        extra = len(self) - self.cap
-        if extra > 0:
-            del self[:extra]
-            self.dropped += extra
+        drop = max(0, len(self) - self.cap)
+        removed = sum(self.weights[:drop])
+        while drop < len(self) and self.bytes - removed > self.max_bytes:
+            removed += self.weights[drop]
+            drop += 1
+        if drop:
+            del self[:drop]
+            del self.weights[:drop]
+            self.bytes -= removed
+            self.dropped += drop
+
+    def order(self, key) -> None:
+        """Sort by key, the weights with their items."""
+        pairs = sorted(zip(self, self.weights), key=lambda pair: key(pair[0]))
+        self[:] = [item for item, _ in pairs]
+        self.weights = [weight for _, weight in pairs]
 
 
 class _Seen:
@@ -100,9 +122,9 @@ class JournalSummary:
     Every list is bounded (newest kept); `counts` are exact; `dropped` counts what was read
     but not kept."""
 
-    collisions: list = field(default_factory=lambda: _Bounded(MAX_RECORDS_KEPT))
-    hazards: list = field(default_factory=lambda: _Bounded(MAX_RECORDS_KEPT))
-    findings: list = field(default_factory=lambda: _Bounded(MAX_RECORDS_KEPT))
+    collisions: list = field(default_factory=lambda: _Bounded(MAX_RECORDS_KEPT, MAX_KEPT_BYTES))
+    hazards: list = field(default_factory=lambda: _Bounded(MAX_RECORDS_KEPT, MAX_KEPT_BYTES))
+    findings: list = field(default_factory=lambda: _Bounded(MAX_RECORDS_KEPT, MAX_KEPT_BYTES))
     writes: int = 0
     malformed: int = 0          # lines or records that could not be read
     files: int = 0
@@ -118,6 +140,7 @@ class JournalSummary:
     first_wall: float | None = None
     last_wall: float | None = None
     seen: _Seen = field(default_factory=_Seen, repr=False)
+    verdict_bytes: int = 0
 
     def _seen_wall(self, wall) -> None:
         if not _is_wall(wall):
@@ -143,28 +166,33 @@ class JournalSummary:
             self.dropped += 1
         bounded.append(record)
 
-    def _verdict(self, record: dict) -> None:
+    def _verdict(self, record: dict, weight: int = 0) -> None:
         path = record["path"]
         entry = self.verdicts_by_path.pop(path, None)
         if entry is None:
             entry = PathVerdict(record)
         else:
+            self.verdict_bytes -= entry.weight
             previous = entry.latest
             if record.get("result") == OK and previous.get("result") in BAD_VERDICTS:
                 entry.superseded = previous
             elif record.get("result") != OK:
                 entry.superseded = None
             entry.latest = record
+        entry.weight = weight + (len(entry.superseded) * 32 if entry.superseded else 0)
+        self.verdict_bytes += entry.weight
         self.verdicts_by_path[path] = entry          # newest last
-        if len(self.verdicts_by_path) > MAX_VERDICT_PATHS:
-            self.verdicts_by_path.popitem(last=False)
+        while len(self.verdicts_by_path) > MAX_VERDICT_PATHS or (
+                self.verdict_bytes > MAX_KEPT_BYTES and len(self.verdicts_by_path) > 1):
+            _, oldest = self.verdicts_by_path.popitem(last=False)
+            self.verdict_bytes -= oldest.weight
             self.dropped += 1
 
     def finish(self) -> None:
         """Trim the bounded lists and order the collisions (oldest first)."""
         for bounded in (self.collisions, self.hazards, self.findings):
             bounded.trim()
-        self.collisions.sort(key=lambda c: c.first.start_wall)
+        self.collisions.order(lambda c: c.first.start_wall)
 
     @property
     def verdicts(self) -> list:
@@ -270,6 +298,14 @@ def checked_collision(record: dict) -> Collision:
                                id=collision.id or "")
 
 
+def collision_weight(c: Collision) -> int:
+    """About the bytes a kept collision holds (its strings and ~200 bytes of values per
+    write), for the kept lists' weight bound."""
+    return len(c.path) + sum(200 + len(w.path) + len(w.site or "") + len(w.func or "")
+                             + len(w.writer.node) + len(w.writer.job or "")
+                             for w in c.writes)
+
+
 def summarize(journal_path, summary: JournalSummary | None = None, details: bool = True,
               seen=None) -> JournalSummary:
     """Read a journal (rotated files too), or a list of journals (several nodes') merged into
@@ -318,24 +354,24 @@ def _read(journal_path: str, summary: JournalSummary, details: bool) -> None:
             counts["collisions"] += 1
             if collision.kind in ("concurrent", "redundant"):
                 counts[collision.kind] += 1
-            summary.collisions.add(collision)
+            summary.collisions.add(collision, collision_weight(collision))
             for w in collision.writes if details else ():
                 summary._keep_write(w)
         elif kind in (FINDING_HAZARD, "verification") or kind in FINDING_TYPES:
-            rec = journalrecords.finding(record)
+            rec, weight = journalrecords.sized(record)
             if rec is None:
                 summary.malformed += 1
             elif kind == FINDING_HAZARD:
                 key = ("hazard", rec.get("job"), rec["path"], rec.get("hazard"))
                 if summary.seen.first_time(key):
                     counts["hazards"] += 1
-                    summary.hazards.add(rec)
+                    summary.hazards.add(rec, weight)
             elif kind == "verification":
                 counts["verifications"] += 1
-                summary._verdict(rec)
+                summary._verdict(rec, weight)
             else:
                 counts[kind + "s"] += 1
-                summary.findings.add(rec)
+                summary.findings.add(rec, weight)
         elif details:
             rec = journalrecords.finding(record) if "path" in record else \
                 journalrecords.flat(record)

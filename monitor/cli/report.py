@@ -164,7 +164,8 @@ def render_json(collisions: list, hazards: list = (), summary: JournalSummary | 
         doc["journals"] = list(summary.journals)
     if exit_code is not None:
         doc["exit_code"] = exit_code
-    return json.dumps(doc, indent=2, sort_keys=False, allow_nan=False)
+    # Compact: the C encoder (indent= takes the pure-Python one, ~5x slower).
+    return json.dumps(doc, sort_keys=False, allow_nan=False)
 
 
 def _newest(items: list, limit: int, what: str, width: int) -> tuple:

@@ -291,3 +291,26 @@ def test_lists_are_bounded_newest_kept_counts_exact(tmp_path, monkeypatch):
     assert summary.writes == 40 and summary.total_dropped > 0
     code, out, _ = report("--journal", str(path))
     assert code == 1 and "40 collisions" in out and "40 hazards" in out
+
+
+def test_kept_records_are_bounded_by_weight_too(tmp_path, monkeypatch):
+    """Heavy records (the most a record may keep) are kept up to a weight, not only a count;
+    a record heavier than that is unreadable."""
+    journalview = sys.modules[summarize.__module__]
+    monkeypatch.setattr(journalview, "MAX_KEPT_BYTES", 1 << 20)
+    path = tmp_path / "j.jsonl"
+    heavy = {f"f{i}": "x" * 4000 for i in range(50)}              # ~200 KB kept
+    with open(path, "w") as fh:
+        for i in range(30):
+            fh.write(json.dumps({"type": "hazard", "path": f"/p{i}", "hazard": "k",
+                                 "job": "j", **heavy}) + "\n")
+            fh.write(json.dumps({"type": "verification", "path": f"/v{i}",
+                                 "result": "corrupt", **heavy}) + "\n")
+        too_heavy = {"writers": [{f"f{i}": "y" * 4000 for i in range(60)}] * 10}
+        fh.write(json.dumps({"type": "torn_read", "path": "/t", **too_heavy}) + "\n")
+    summary = summarize(str(path))
+    assert summary.counts["hazards"] == 30 and summary.counts["torn_reads"] == 0
+    assert 1 <= len(summary.hazards) <= 6                          # 1 MiB / 200 KB
+    assert [h["path"] for h in summary.hazards][-1] == "/p29"      # the newest kept
+    assert 1 <= len(summary.verdicts_by_path) <= 6
+    assert summary.malformed == 1
