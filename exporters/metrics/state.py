@@ -347,7 +347,7 @@ class MetricsState:
         verdict of a latest collision that wrote that file and has none yet."""
         with self._lock:
             self._verifications[result] = self._verifications.get(result, 0) + 1
-            if cause:
+            if cause and result == "corrupt":     # an incomplete set's cause is no corruption
                 self._corrupt[cause] = self._corrupt.get(cause, 0) + 1
             self._verdict(result, cause, job, path, collision_id,
                           time.time() if wall is None else wall)

@@ -141,7 +141,8 @@ class Agent:
         except JournalError as exc:
             raise StartError(exc.strerror) from exc     # names the path and the reason
         checks = Checks(config.verify_enabled, config.verify_quiet, config.collision_max_paths,
-                        config.verify_deep_max_bytes, config.verify_max_rate)
+                        config.verify_deep_max_bytes, config.verify_max_rate,
+                        incomplete_after=config.verify_incomplete_after)
         job_scope = JobScopeEvents()
         # Each component's metrics are read from it when scraped (exporters.metrics.
         # components); the state holds only what was published to it.
