@@ -78,7 +78,9 @@ def _limit(gib: float):
 
 
 def run_once(tree: str, journal: str, fmt: str, timeout: float, max_gib: float = 8.0) -> tuple:
-    """(seconds or None if cut, peak RSS in MiB, output bytes, exit code) of one report."""
+    """(wall seconds or None if cut, CPU seconds, peak RSS in MiB, output bytes, exit code)
+    of one report. On a shared machine CPU seconds (user + system) are the figure to compare:
+    wall time follows the load."""
     out = tempfile.mktemp(suffix="." + fmt, dir=os.path.dirname(journal))
     python = os.path.join(tree, ".venv", "bin", "python")
     code = ("import sys; sys.path.insert(0, sys.argv[1]); from monitor.cli.main import main; "
@@ -103,7 +105,8 @@ def run_once(tree: str, journal: str, fmt: str, timeout: float, max_gib: float =
     size = os.path.getsize(out) if os.path.exists(out) else 0
     if os.path.exists(out):
         os.unlink(out)
-    return seconds, usage.ru_maxrss / 1024, size, proc.returncode
+    return seconds, usage.ru_utime + usage.ru_stime, usage.ru_maxrss / 1024, size, \
+        proc.returncode
 
 
 def main(argv=None) -> int:
@@ -122,8 +125,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     print(f"load: {os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f} "
           f"{os.getloadavg()[2]:.2f} (1/5/15 min), {os.cpu_count()} CPUs")
-    print(f"{'journal':<22} {'format':<6} {'tree':<4} {'seconds':>9} {'peak RSS':>10} "
-          f"{'output':>10} {'exit':>4}")
+    print(f"{'journal':<24} {'format':<6} {'tree':<4} {'wall s':>8} {'CPU s':>7} "
+          f"{'peak RSS':>10} {'output':>10} {'exit':>4}")
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         for kind in args.kinds:
             for n in args.records:
@@ -132,11 +135,11 @@ def main(argv=None) -> int:
                 label = f"{n:,} {kind} ({os.path.getsize(journal) >> 20} MiB)"
                 for fmt in args.formats:
                     for name, tree in (("old", args.old), ("new", args.new)):
-                        seconds, rss, size, code = run_once(tree, journal, fmt, args.timeout,
-                                                             args.max_gib)
+                        seconds, cpu, rss, size, code = run_once(tree, journal, fmt,
+                                                                  args.timeout, args.max_gib)
                         shown = f"> {args.timeout:.0f}" if seconds is None else f"{seconds:.1f}"
-                        print(f"{label:<22} {fmt:<6} {name:<4} {shown:>9} "
-                              f"{rss:>7.0f} MiB {size / 2**20:>6.1f} MiB {code:>4}",
+                        print(f"{label:<24} {fmt:<6} {name:<4} {shown:>8} {cpu:>7.1f} "
+                              f"{rss:>6.0f} MiB {size / 2**20:>6.1f} MiB {code:>4}",
                               flush=True)
                 os.unlink(journal)
     return 0
