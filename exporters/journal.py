@@ -495,7 +495,7 @@ def read_tail(path: str, max_bytes: int, prefixes: tuple[bytes, ...],
     oldest first, whose line starts with one of `prefixes` (b'{"type":"collision"'...: the
     agent writes "type" first; other lines are not parsed). Reads at most max_bytes (+ one
     line's tail at the cut): what the agent reads at start, whatever the journal holds.
-    A file that is not a regular file raises NotAJournal."""
+    A file that is not a regular file is skipped (counted in stats.malformed), never read."""
     stats = stats if stats is not None else ReadStats()
     plan, budget = [], max_bytes
     for name in reversed(journal_files(path)):
@@ -504,6 +504,9 @@ def read_tail(path: str, max_bytes: int, prefixes: tuple[bytes, ...],
         try:
             fh = open_journal(name)
         except FileNotFoundError:
+            continue
+        except NotAJournal:
+            stats.malformed += 1        # a FIFO or a device among the rotated files: skipped
             continue
         size = os.fstat(fh.fileno()).st_size
         start = max(0, size - budget)

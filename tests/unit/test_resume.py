@@ -203,3 +203,19 @@ def test_hostile_lines_are_skipped_not_restored(tmp_path):
     stats = resume_mod.resume(journal, agent.state)
     assert stats.collisions == stats.verdicts == stats.hazards == 0
     assert stats.skipped >= 7
+
+
+def test_a_rotated_file_that_is_a_fifo_is_skipped_not_waited_on(tmp_path):
+    from monitor.agent import resume as resume_mod
+    tmp = str(tmp_path)
+    first = build(tmp)
+    first.exporters.publish_collision(collision(os.path.join(tmp, "a.pt"), "c1"))
+    first.exporters.close()
+    os.mkfifo(os.path.join(tmp, "j.jsonl.1"))          # older than the current file
+    agent = build(tmp)                                  # would block forever on open()
+    try:
+        assert any(k[0] == "ckptwatch_last_collision_timestamp_seconds" for k in gauges(agent))
+    finally:
+        agent.exporters.close()
+    stats = resume_mod.resume(os.path.join(tmp, "j.jsonl"), agent.state)
+    assert stats.collisions == 1 and stats.skipped == 1
