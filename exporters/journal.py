@@ -550,6 +550,9 @@ class JournalExporter:
         self.journal = journal
         self._bad: OrderedDict[str, None] = OrderedDict()          # last journaled: bad
         self._collided: OrderedDict[str, None] = OrderedDict()     # a collision wrote it
+        # Verdicts not journaled, newest per path: a job-scope collision can be published
+        # after the verifier judged its file (it settles later); its verdict is journaled then.
+        self._unjournaled: OrderedDict[str, Finding] = OrderedDict()
 
     def remember(self, path: str, bad: bool = False, collided: bool = False,
                  verdict: bool = False) -> None:
@@ -581,6 +584,10 @@ class JournalExporter:
     def publish_collision(self, collision: Collision) -> None:
         self._write(collision)
         self.remember(collision.path, collided=True)
+        earlier = self._unjournaled.pop(collision.path, None)
+        ended = max((w.end_wall or w.start_wall) for w in collision.writes)
+        if earlier is not None and (earlier.wall or 0.0) >= ended:
+            self.publish_finding(earlier)       # the verdict on what this collision left
         # The journal is buffered between ticks for throughput (one flush per tick instead
         # of one per write); a collision is rare and worth a flush of its own.
         self.journal.flush()
@@ -595,6 +602,12 @@ class JournalExporter:
                 or path in self._bad or path in self._collided:
             self._write(finding)
             self.remember(path, bad=bad, verdict=True)
+            self._unjournaled.pop(path, None)
+        else:
+            self._unjournaled.pop(path, None)
+            self._unjournaled[path] = finding
+            if len(self._unjournaled) > MAX_REMEMBERED_PATHS:
+                self._unjournaled.popitem(last=False)
         if bad:
             self.journal.flush()
 

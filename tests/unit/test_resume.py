@@ -219,3 +219,24 @@ def test_a_rotated_file_that_is_a_fifo_is_skipped_not_waited_on(tmp_path):
         agent.exporters.close()
     stats = resume_mod.resume(os.path.join(tmp, "j.jsonl"), agent.state)
     assert stats.collisions == 1 and stats.skipped == 1
+
+
+def test_a_verdict_that_came_before_its_job_collision_is_restored(tmp_path):
+    """A job-scope collision settles after the verifier's quiet period: its file's verdict
+    comes first. It is journaled when the collision is, so a restart restores "ok", not
+    "pending"."""
+    tmp = str(tmp_path)
+    b = os.path.join(tmp, "b.pt")
+    first = build(tmp)
+    first.exporters.publish_finding(verdict(b, "ok", job="jobB"))
+    first.exporters.publish_collision(collision(b, "c9", job="jobB", scope="job"))
+    before = gauges(first)
+    first.exporters.close()
+    key = ("ckptwatch_last_collision_verification",
+           (("kind", "concurrent"), ("result", "ok"), ("scope", "job"), ("training_job", "jobB")))
+    assert key in before
+    second = build(tmp)
+    try:
+        assert key in gauges(second)
+    finally:
+        second.exporters.close()
