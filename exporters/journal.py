@@ -18,6 +18,7 @@ write cut short by a full disk is truncated back to the last complete line.
 """
 from __future__ import annotations
 
+import errno
 import glob
 import json
 import logging
@@ -25,6 +26,7 @@ import os
 import re
 import stat
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
@@ -359,11 +361,26 @@ class Journal:
 
 @dataclass
 class ReadStats:
-    """What read_records saw: files read, records returned, malformed lines skipped."""
+    """What read_records saw: files read, records returned, malformed lines skipped (too_long
+    of them longer than MAX_LINE_BYTES, nested too deeply or not JSON), bytes read."""
 
     files: int = 0
     records: int = 0
     malformed: int = 0
+    too_long: int = 0
+    bytes: int = 0
+
+
+# The longest line read: the agent's longest records are collisions, ~400 bytes per writer
+# (a collision of 10,000 writers is ~4 MiB). A longer line is skipped, read in pieces of this
+# size, so a file of zeros without a newline costs time in proportion to it, never memory.
+MAX_LINE_BYTES = 4 << 20
+_OPEN_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
+
+
+class NotAJournal(OSError):
+    """A journal name that is not a regular file (a FIFO, a device, a socket, a directory):
+    never read, since a read could block forever or never end."""
 
 
 def journal_files(path: str) -> list[str]:
@@ -380,44 +397,183 @@ def journal_files(path: str) -> list[str]:
     return files
 
 
+def open_journal(name: str):
+    """A journal file, open for reading in binary. Opened without blocking (a FIFO's open
+    would wait for a writer) and judged on the descriptor: anything but a regular file raises
+    NotAJournal, so a name swapped for a FIFO or a link to /dev/zero is never read."""
+    fd = os.open(name, _OPEN_FLAGS)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            kind = ("a FIFO" if stat.S_ISFIFO(st.st_mode) else
+                    "a device" if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode) else
+                    "a directory" if stat.S_ISDIR(st.st_mode) else "not a regular file")
+            raise NotAJournal(errno.EINVAL, f"{kind}, not a journal file", name)
+        os.set_blocking(fd, True)
+        return open(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def journal_lines(fh, stats: ReadStats, end: int | None = None) -> Iterator[bytes]:
+    """The lines of an open journal file (up to offset `end`), each at most MAX_LINE_BYTES;
+    a longer one is skipped (counted in stats.malformed and stats.too_long)."""
+    position = fh.tell()
+    while end is None or position < end:
+        want = MAX_LINE_BYTES + 1 if end is None else min(MAX_LINE_BYTES + 1, end - position)
+        line = fh.readline(want)
+        if not line:
+            return
+        position += len(line)
+        stats.bytes += len(line)
+        if len(line) > MAX_LINE_BYTES and not line.endswith(b"\n"):
+            stats.malformed += 1
+            stats.too_long += 1
+            while not line.endswith(b"\n") and (end is None or position < end):
+                line = fh.readline(MAX_LINE_BYTES if end is None
+                                   else min(MAX_LINE_BYTES, end - position))
+                if not line:
+                    return
+                position += len(line)
+                stats.bytes += len(line)
+            continue
+        yield line
+
+
+def parse_line(line: bytes) -> dict | None:
+    """One journal line as a record (a JSON object with a string "type"), else None. Never
+    raises: not JSON, nested deeper than the parser's recursion limit, not UTF-8 (decoded
+    with replacement, as the agent never writes such bytes) all give None."""
+    if not line.strip():
+        return None
+    try:
+        record = json.loads(line)
+    except UnicodeDecodeError:
+        try:
+            record = json.loads(line.decode("utf-8", "replace"))
+        except (ValueError, RecursionError):
+            return None
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(record, dict) or not isinstance(record.get("type"), str):
+        return None
+    return record
+
+
 def read_records(path: str, stats: ReadStats | None = None) -> Iterator[dict]:
     """Yield every record of a journal, rotated files first (oldest first).
 
     Lines that are not a JSON object (a partial last line while the agent writes, a corrupt
-    block) are skipped and counted in stats.malformed. A missing journal yields nothing; a
-    journal that exists but cannot be read raises OSError.
+    block, a line nested too deeply or longer than MAX_LINE_BYTES) are skipped and counted in
+    stats.malformed. A missing journal yields nothing; a journal that exists but cannot be
+    read raises OSError (NotAJournal when it is not a regular file). Memory: one line at a
+    time; time: in proportion to the bytes.
     """
     stats = stats if stats is not None else ReadStats()
     for name in journal_files(path):
         try:
-            fh = open(name, encoding="utf-8", errors="replace")
+            fh = open_journal(name)
         except FileNotFoundError:
             continue      # rotated away between listing and opening
         stats.files += 1
         with fh:
-            for line in fh:
+            for line in journal_lines(fh, stats):
                 if not line.strip():
                     continue
-                try:
-                    record = json.loads(line)
-                except ValueError:
-                    record = None
-                if not isinstance(record, dict) or not isinstance(record.get("type"), str):
+                record = parse_line(line)
+                if record is None:
                     stats.malformed += 1
                     continue
                 stats.records += 1
                 yield record
 
 
+def read_tail(path: str, max_bytes: int, prefixes: tuple[bytes, ...],
+              stats: ReadStats | None = None) -> Iterator[dict]:
+    """The records of the newest `max_bytes` of a journal (its rotated files included),
+    oldest first, whose line starts with one of `prefixes` (b'{"type":"collision"'...: the
+    agent writes "type" first; other lines are not parsed). Reads at most max_bytes (+ one
+    line's tail at the cut): what the agent reads at start, whatever the journal holds.
+    A file that is not a regular file is skipped (counted in stats.malformed), never read."""
+    stats = stats if stats is not None else ReadStats()
+    plan, budget = [], max_bytes
+    for name in reversed(journal_files(path)):
+        if budget <= 0:
+            break
+        try:
+            fh = open_journal(name)
+        except FileNotFoundError:
+            continue
+        except NotAJournal:
+            stats.malformed += 1        # a FIFO or a device among the rotated files: skipped
+            continue
+        size = os.fstat(fh.fileno()).st_size
+        start = max(0, size - budget)
+        budget -= size - start
+        plan.append((fh, start, size))
+    for fh, start, size in reversed(plan):
+        with fh:
+            stats.files += 1
+            fh.seek(start)
+            lines = journal_lines(fh, stats, end=size)
+            if start > 0:
+                next(lines, None)       # cut in the middle: the first line is a tail
+            for line in lines:
+                if not line.startswith(prefixes):
+                    continue
+                record = parse_line(line)
+                if record is None:
+                    stats.malformed += 1
+                    continue
+                stats.records += 1
+                yield record
+
+
+# Verdicts journaled besides the bad ones (corrupt, unverifiable, incomplete): an ok or gone
+# verdict on a file whose last journaled verdict was bad (it supersedes it: `report` shows the
+# file as whole again) or that a collision wrote (the alerts' text follows that verdict, and a
+# restarted agent restores it from here). Paths remembered for that, newest kept.
+JOURNALED_RESULTS = ("corrupt", "unverifiable", "incomplete")
+MAX_REMEMBERED_PATHS = 4096
+
+
 class JournalExporter:
     """The journal as an exporter (exporters.fanout.Exporter): one line per finished write,
-    collision and finding; a verification only when it found something (corrupt,
-    unverifiable, or a whole file whose pickle torch.load(weights_only=True) refuses: an "ok"
-    line per save would double the journal). The journal counts every
-    lost line itself (Journal.records_lost, read by the agent for the metrics)."""
+    collision and finding; a verification only when it says something a report or a restarted
+    agent needs: a bad result (JOURNALED_RESULTS), a whole file whose pickle
+    torch.load(weights_only=True) refuses, a verdict on a collision's file, or one that
+    supersedes a bad verdict (an "ok" line per save would double the journal). The journal
+    counts every lost line itself (Journal.records_lost, read by the agent for the metrics)."""
 
     def __init__(self, journal: Journal):
         self.journal = journal
+        self._bad: OrderedDict[str, None] = OrderedDict()          # last journaled: bad
+        self._collided: OrderedDict[str, None] = OrderedDict()     # a collision wrote it
+        # Verdicts not journaled, newest per path: a job-scope collision can be published
+        # after the verifier judged its file (it settles later); its verdict is journaled then.
+        self._unjournaled: OrderedDict[str, Finding] = OrderedDict()
+
+    def remember(self, path: str, bad: bool = False, collided: bool = False,
+                 verdict: bool = False) -> None:
+        """Note that a collision wrote `path` (collided), or that a verdict on it was
+        journaled (verdict; bad: corrupt, unverifiable or incomplete). The exporter calls it
+        for what it journals; the agent at start for what it reads back from the journal."""
+        if collided:
+            self._note(self._collided, path)
+        if verdict:
+            self._collided.pop(path, None)      # the collision's file has its verdict
+            if bad:
+                self._note(self._bad, path)
+            else:
+                self._bad.pop(path, None)
+
+    @staticmethod
+    def _note(paths: OrderedDict, path: str) -> None:
+        paths.pop(path, None)
+        paths[path] = None
+        if len(paths) > MAX_REMEMBERED_PATHS:
+            paths.popitem(last=False)
 
     def _write(self, item) -> None:
         self.journal.write(item)     # never raises; a lost line is counted by the journal
@@ -427,6 +583,11 @@ class JournalExporter:
 
     def publish_collision(self, collision: Collision) -> None:
         self._write(collision)
+        self.remember(collision.path, collided=True)
+        earlier = self._unjournaled.pop(collision.path, None)
+        ended = max((w.end_wall or w.start_wall) for w in collision.writes)
+        if earlier is not None and (earlier.wall or 0.0) >= ended:
+            self.publish_finding(earlier)       # the verdict on what this collision left
         # The journal is buffered between ticks for throughput (one flush per tick instead
         # of one per write); a collision is rare and worth a flush of its own.
         self.journal.flush()
@@ -435,10 +596,19 @@ class JournalExporter:
         if finding.kind != FINDING_VERIFICATION:
             self._write(finding)
             return
-        result = finding.get("result")
-        if result in ("corrupt", "unverifiable") or finding.get("pickle") == "full_unpickle":
+        result, path = finding.get("result"), finding.path
+        bad = result in JOURNALED_RESULTS
+        if bad or finding.get("pickle") == "full_unpickle" or finding.get("collision_id") \
+                or path in self._bad or path in self._collided:
             self._write(finding)
-        if result == "corrupt":
+            self.remember(path, bad=bad, verdict=True)
+            self._unjournaled.pop(path, None)
+        else:
+            self._unjournaled.pop(path, None)
+            self._unjournaled[path] = finding
+            if len(self._unjournaled) > MAX_REMEMBERED_PATHS:
+                self._unjournaled.popitem(last=False)
+        if bad:
             self.journal.flush()
 
     def flush(self) -> None:

@@ -105,6 +105,16 @@ class StateCollector:
                      "by reason (as ckptwatch_corrupt_checkpoints_total).",
                      ["training_job", "reason"], s.last_corrupt, unit="seconds")
 
+        yield family(GaugeMetricFamily, "ckptwatch_last_hazard_timestamp_seconds",
+                     "Unix time of the latest hazard reported for a job, by kind (as "
+                     "ckptwatch_hazards_total); restored from the journal at start.",
+                     ["training_job", "kind"], s.last_hazard, unit="seconds")
+
+        yield family(GaugeMetricFamily, "ckptwatch_last_size_fluctuation_timestamp_seconds",
+                     "Unix time of the latest size fluctuation of a job's checkpoint (as "
+                     "ckptwatch_size_fluctuations_total); restored from the journal at start.",
+                     ["training_job"], s.last_fluctuation, unit="seconds")
+
         yield CounterMetricFamily("ckptwatch_events_received",
                                   "Valid events received from instrumented processes.",
                                   value=s.events_received)

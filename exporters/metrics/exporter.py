@@ -25,6 +25,9 @@ class MetricsExporter:
                                     collision_id=finding.get("collision_id") or "",
                                     wall=finding.wall)
         elif finding.kind == FINDING_HAZARD:
+            # Their latest-time gauges take the agent's clock, not the finding's wall (a
+            # hook's word for a hazard, a write's end for a size fluctuation): a sender's
+            # clock far in the future must not hold an alert up for good.
             self.state.hazard(finding.job, finding.get("hazard"))
         else:
             self.state.finding(finding.kind, finding.job)

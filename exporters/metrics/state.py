@@ -62,6 +62,8 @@ class MetricsSnapshot:
     # (job, kind, scope, verdict) -> 1: the verdict on the file the latest collision left
     last_collision_verdict: Mapping[tuple[str, str, str, str], int]
     last_corrupt: Mapping[tuple[str, str], float]     # (job, cause) -> wall time
+    last_hazard: Mapping[tuple[str, str], float]      # (job, kind) -> wall time
+    last_fluctuation: Mapping[str, float]             # job -> wall time
     events_received: int
     events_rejected: Mapping[str, int]                 # reason -> rejected inputs
     client_events_dropped: int
@@ -95,7 +97,7 @@ class _JobSeries:
 
     __slots__ = ("writes", "errors", "bytes", "duration_counts", "duration_sum", "collisions",
                  "last_collision", "collision_file", "last_corrupt", "fluctuations",
-                 "torn_reads", "hazards", "job_scope")
+                 "last_fluctuation", "torn_reads", "hazards", "last_hazard", "job_scope")
 
     def __init__(self):
         self.writes: dict[str, int] = {}                 # rank label value -> finished writes
@@ -112,8 +114,10 @@ class _JobSeries:
         self.collision_file: dict[tuple[str, str], _CollisionFile] = {}
         self.last_corrupt: dict[str, float] = {}         # cause -> wall time of the latest
         self.fluctuations = 0
+        self.last_fluctuation: float | None = None       # wall time of the latest
         self.torn_reads = 0
         self.hazards: dict[str, int] = {}                 # hazard kind -> n
+        self.last_hazard: dict[str, float] = {}           # hazard kind -> wall time, latest
         self.job_scope: dict[str, int] = {}               # job-scope state -> reports
 
 
@@ -247,16 +251,28 @@ class MetricsState:
             key = (c.kind, c.scope, collision_source(c))
             series.collisions[key] = series.collisions.get(key, 0) + 1
             ended = max((w.end_wall or w.start_wall) for w in c.writes)
-            when = c.detected_wall or ended
-            latest = series.last_collision.get((c.kind, c.scope), 0.0)
-            series.last_collision[(c.kind, c.scope)] = max(when, latest)
-            if when >= latest:
-                verdict = self._first_verdict
-                recent = self._recent_verdicts.get(c.path)
-                if recent is not None and recent[1] >= ended:
-                    verdict = recent[0]           # verified after its writes, before now
-                series.collision_file[(c.kind, c.scope)] = _CollisionFile(
-                    c.id, c.path, ended, verdict)
+            self._latest_collision(series, c.kind, c.scope, c.detected_wall or ended, c.id,
+                                   c.path, ended)
+
+    def resume_collision(self, job: str, kind: str, scope: str, when: float,
+                         collision_id: str, path: str, ended: float) -> None:
+        """A collision read back from the journal at start: the gauges (latest collision,
+        the file it left) as they were, no counter (counters count since this start)."""
+        with self._lock:
+            series = self._series(self._job_label(job, self._clock(), count=False))
+            self._latest_collision(series, kind, scope, when, collision_id, path, ended)
+
+    def _latest_collision(self, series: _JobSeries, kind: str, scope: str, when: float,
+                          collision_id: str, path: str, ended: float) -> None:
+        latest = series.last_collision.get((kind, scope), 0.0)
+        series.last_collision[(kind, scope)] = max(when, latest)
+        if when >= latest:
+            verdict = self._first_verdict
+            recent = self._recent_verdicts.get(path)
+            if recent is not None and recent[1] >= ended:
+                verdict = recent[0]           # verified after its writes, before now
+            series.collision_file[(kind, scope)] = _CollisionFile(
+                collision_id, path, ended, verdict)
 
     def set_active_writes(self, by_job: dict[str, int]) -> None:
         """Replace the in-flight write counts; jobs absent from by_job drop out of the gauge.
@@ -276,20 +292,44 @@ class MetricsState:
                 active[value] = active.get(value, 0) + int(n)
             self._active = active
 
-    def finding(self, kind: str, job: str) -> None:
-        """A filesystem finding: kind "size_fluctuation" or "torn_read"."""
+    def finding(self, kind: str, job: str, wall: float | None = None) -> None:
+        """A filesystem finding: kind "size_fluctuation" or "torn_read", at wall (now if
+        None)."""
         with self._lock:
             series = self._series(self._job_label(job, self._clock()))
             if kind == "size_fluctuation":
                 series.fluctuations += 1
+                self._latest_fluctuation(series, wall)
             else:
                 series.torn_reads += 1
 
-    def hazard(self, job: str, kind: str) -> None:
+    def hazard(self, job: str, kind: str, wall: float | None = None) -> None:
         """A hazard (ckptwatch.events.HAZARD_KINDS: a bounded label set) for a job."""
         with self._lock:
             series = self._series(self._job_label(job, self._clock()))
             series.hazards[kind] = series.hazards.get(kind, 0) + 1
+            self._latest_hazard(series, kind, wall)
+
+    def resume_finding(self, kind: str, job: str, wall: float,
+                       hazard: str | None = None) -> None:
+        """A size fluctuation or hazard (kind "hazard", its kind in `hazard`) read back from
+        the journal at start: its latest-time gauge, no counter."""
+        with self._lock:
+            series = self._series(self._job_label(job, self._clock(), count=False))
+            if kind == "hazard":
+                self._latest_hazard(series, hazard, wall)
+            elif kind == "size_fluctuation":
+                self._latest_fluctuation(series, wall)
+
+    @staticmethod
+    def _latest_hazard(series: _JobSeries, kind: str, wall: float | None) -> None:
+        when = time.time() if wall is None else wall
+        series.last_hazard[kind] = max(when, series.last_hazard.get(kind, 0.0))
+
+    @staticmethod
+    def _latest_fluctuation(series: _JobSeries, wall: float | None) -> None:
+        when = time.time() if wall is None else wall
+        series.last_fluctuation = max(when, series.last_fluctuation or 0.0)
 
     def job_scope(self, job: str, state: str) -> None:
         """A process reported its job-scope state (ckptwatch.events.JOBSCOPE_STATES)."""
@@ -300,33 +340,44 @@ class MetricsState:
     def verification(self, result: str, cause: str = "", job: str = "",
                      path: str | None = None, collision_id: str = "",
                      wall: float | None = None) -> None:
-        """One finished checkpoint verified: result ok|corrupt|unverifiable|gone; cause is
-        the bounded corruption category (monitor.verify.integrity.CAUSES) for corrupt files.
-        job (its last writer's), path, collision_id (the collision that wrote it, if the
-        verifier knew) and wall (when) tie the verdict to a collision: it becomes the verdict
-        of a latest collision that wrote that file and has none yet."""
+        """One finished checkpoint verified: result ok|corrupt|unverifiable|gone|incomplete;
+        cause is the bounded corruption category (monitor.verify.integrity.CAUSES) for corrupt
+        files. job (its last writer's), path, collision_id (the collision that wrote it, if
+        the verifier knew) and wall (when) tie the verdict to a collision: it becomes the
+        verdict of a latest collision that wrote that file and has none yet."""
         with self._lock:
             self._verifications[result] = self._verifications.get(result, 0) + 1
-            if cause:
+            if cause and result == "corrupt":     # an incomplete set's cause is no corruption
                 self._corrupt[cause] = self._corrupt.get(cause, 0) + 1
-            when = time.time() if wall is None else wall
-            if result == "corrupt" and cause:
-                series = self._series(self._job_label(job, self._clock()))
-                series.last_corrupt[cause] = max(when, series.last_corrupt.get(cause, 0.0))
-            if path is None:
-                return
-            self._recent_verdicts.pop(path, None)
-            self._recent_verdicts[path] = (result, when)
-            if len(self._recent_verdicts) > MAX_RECENT_VERDICTS:
-                self._recent_verdicts.popitem(last=False)
-            # The first verdict after a collision is what it left; a later one is of a later
-            # save of the same path (unless the verifier names this collision).
-            for series in self._jobs.values():
-                for entry in series.collision_file.values():
-                    if (collision_id and entry.id == collision_id) or (
-                            entry.path == path and entry.verdict == VERDICT_PENDING
-                            and when >= entry.ended):
-                        entry.verdict = result
+            self._verdict(result, cause, job, path, collision_id,
+                          time.time() if wall is None else wall)
+
+    def resume_verification(self, result: str, cause: str, job: str, path: str,
+                            collision_id: str, wall: float) -> None:
+        """A verdict read back from the journal at start: the gauges it set (latest corrupt
+        checkpoint, the verdict on a collision's file), no counter."""
+        with self._lock:
+            self._verdict(result, cause, job, path, collision_id, wall, count=False)
+
+    def _verdict(self, result: str, cause: str, job: str, path: str | None,
+                 collision_id: str, when: float, count: bool = True) -> None:
+        if result == "corrupt" and cause:
+            series = self._series(self._job_label(job, self._clock(), count=count))
+            series.last_corrupt[cause] = max(when, series.last_corrupt.get(cause, 0.0))
+        if path is None:
+            return
+        self._recent_verdicts.pop(path, None)
+        self._recent_verdicts[path] = (result, when)
+        if len(self._recent_verdicts) > MAX_RECENT_VERDICTS:
+            self._recent_verdicts.popitem(last=False)
+        # The first verdict after a collision is what it left; a later one is of a later
+        # save of the same path (unless the verifier names this collision).
+        for series in self._jobs.values():
+            for entry in series.collision_file.values():
+                if (collision_id and entry.id == collision_id) or (
+                        entry.path == path and entry.verdict == VERDICT_PENDING
+                        and when >= entry.ended):
+                    entry.verdict = result
 
     # -- reading ---------------------------------------------------------------------------
 
@@ -337,9 +388,14 @@ class MetricsState:
             writes, errors, nbytes, histograms = {}, {}, {}, {}
             collisions, last_collision, fluctuations, torn_reads = {}, {}, {}, {}
             hazards, job_scope, verdicts, last_corrupt = {}, {}, {}, {}
+            last_hazard, last_fluctuation = {}, {}
             for job, series in self._jobs.items():
                 for kind, n in series.hazards.items():
                     hazards[(job, kind)] = n
+                for kind, when in series.last_hazard.items():
+                    last_hazard[(job, kind)] = when
+                if series.last_fluctuation is not None:
+                    last_fluctuation[job] = series.last_fluctuation
                 for state, n in series.job_scope.items():
                     job_scope[(job, state)] = n
                 for rank, n in series.writes.items():
@@ -372,6 +428,8 @@ class MetricsState:
                 last_collision=MappingProxyType(last_collision),
                 last_collision_verdict=MappingProxyType(verdicts),
                 last_corrupt=MappingProxyType(last_corrupt),
+                last_hazard=MappingProxyType(last_hazard),
+                last_fluctuation=MappingProxyType(last_fluctuation),
                 events_received=self._received,
                 events_rejected=MappingProxyType(dict(self._rejected)),
                 client_events_dropped=self._dropped,

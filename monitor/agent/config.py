@@ -66,6 +66,7 @@ class Config:
     size_tolerance: float = 0.01              # relative size difference that counts
     verify_enabled: bool = True
     verify_quiet: float = 2.0
+    verify_incomplete_after: float = 60.0    # a DCP directory without .metadata: incomplete
     verify_deep_max_bytes: int = 256 * 1024 * 1024
     verify_max_rate: float = 200e6            # bytes/s for deep checks; 0 = no cap
     node: str = field(default_factory=lambda: os.environ.get("CKPTWATCH_NODE")
@@ -318,6 +319,9 @@ OPTIONS = (
            lambda: "true"),
     Option("verify.quiet", "verify_quiet", _number(float, 0),
            "seconds a path must see no new write before it is verified"),
+    Option("verify.incomplete-after", "verify_incomplete_after", _number(float, 0),
+           "seconds without a write in a watched DCP checkpoint directory whose .metadata has "
+           "not come before it is judged incomplete (its save crashed)"),
     Option("verify.deep-max-bytes", "verify_deep_max_bytes", _number(int, 0),
            "files up to this size also get the deep check (CRC32 of every record)"),
     Option("verify.max-rate", "verify_max_rate", _number(float, 0),

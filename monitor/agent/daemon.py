@@ -34,6 +34,7 @@ from exporters.metrics.state import MetricsState
 from monitor.agent import gcpolicy, logformat
 from monitor.agent.config import Config
 from monitor.agent.jobreports import JobScopeEvents
+from monitor.agent.resume import resume
 from monitor.detect.detector import Detector
 from monitor.detect.merge import SourceMerger
 from monitor.detect.model import FINDING_VERIFICATION, SOURCE_FS, Collision, Finding, Write
@@ -141,7 +142,8 @@ class Agent:
         except JournalError as exc:
             raise StartError(exc.strerror) from exc     # names the path and the reason
         checks = Checks(config.verify_enabled, config.verify_quiet, config.collision_max_paths,
-                        config.verify_deep_max_bytes, config.verify_max_rate)
+                        config.verify_deep_max_bytes, config.verify_max_rate,
+                        incomplete_after=config.verify_incomplete_after)
         job_scope = JobScopeEvents()
         # Each component's metrics are read from it when scraped (exporters.metrics.
         # components); the state holds only what was published to it.
@@ -157,8 +159,16 @@ class Agent:
                                web_config=config.web_config,
                                telemetry_path=config.telemetry_path)
         registry.register(HttpCollector(server))
+        journal_exporter = JournalExporter(journal)
+        # Before the first scrape: the alerts' gauges as they were before this start.
+        resumed = resume(journal.path, state, journal_exporter)
+        log.info("resumed from journal", extra={"fields": {
+            "journal": journal.path, "read_bytes": resumed.bytes,
+            "collisions": resumed.collisions, "verdicts": resumed.verdicts,
+            "hazards": resumed.hazards, "size_fluctuations": resumed.fluctuations,
+            "skipped": resumed.skipped, "seconds": round(resumed.seconds, 3)}})
         exporters = Fanout([MetricsExporter(state),
-                            JournalExporter(journal),
+                            journal_exporter,
                             LogExporter()])
         agent = cls(config, state, inbox, ingest, detector, checks, sizes, exporters,
                     server, merger, fs, heartbeat, fs_inbox, job_scope, started)

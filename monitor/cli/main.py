@@ -160,8 +160,10 @@ def build_parser(detailed=tuple(_OPTIONS_FROM)) -> argparse.ArgumentParser:
                     "was seen, otherwise with CMD's own exit status.",
         usage="ckptwatch check [options] -- CMD [ARGS...]",
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    report = sub.add_parser("report", help="show collisions from the agent's journal: who "
-                            "wrote what, when, and the fix")
+    report = sub.add_parser("report", help="show what the agent's journal holds: collisions "
+                            "(who wrote what, when, the fix), hazards, verification verdicts, "
+                            "size fluctuations, torn reads (exit 1 if it shows a collision, a "
+                            "hazard or a corrupt or incomplete checkpoint)")
     scan = sub.add_parser("scan", help="verify checkpoint files on disk: ok, corrupt or "
                           "unverifiable, with the reason (exit 1 if any is corrupt)")
     lint = sub.add_parser("lint", help="find checkpoint writes that more than one rank can "

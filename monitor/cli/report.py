@@ -21,13 +21,17 @@ from exporters.journal import SYSTEM_JOURNAL_PATH, default_journal_path
 from exporters.logline import call_sites, clean
 from monitor.cli.advice import FIX, suggest_fix
 from monitor.cli.journalfiles import journal_paths
-from monitor.cli.journalview import JournalSummary, summarize
+from monitor.cli.journalrecords import integer, number, text
+from monitor.cli.journalview import MAX_RECORDS_KEPT, JournalSummary, summarize
 from monitor.cli.style import NORMAL, VERBOSE, Painter, UsageError, verbosity
 from monitor.cli.textfmt import clock_time, human_bytes, keep_head, keep_tail, wrapped
 from monitor.detect.model import KIND_CONCURRENT, Collision, Write
 
 EXIT_OK = 0
-EXIT_NO_JOURNAL = 2
+EXIT_FOUND = 1          # a collision, a hazard or an unusable (corrupt, incomplete) checkpoint
+EXIT_NO_JOURNAL = 2     # usage: no journal, or one that cannot be read
+
+TABLE_ITEMS = 100       # newest items per section of the table (--format json lists more)
 
 
 # ---------------------------------------------------------------------------- formatting
@@ -141,28 +145,58 @@ def render_table(collisions: list, width: int = 80) -> str:
     return "\n".join(line if len(line) <= width else keep_head(line, width) for line in lines)
 
 
-def render_json(collisions: list, hazards: list = ()) -> str:
-    """A JSON document {"collisions": [<journal collision record>, ...], "hazards": [<journal
-    hazard record>, ...]}."""
-    return json.dumps({"collisions": [c.to_record() for c in collisions],
-                       "hazards": list(hazards)}, indent=2, sort_keys=False)
+def render_json(collisions: list, hazards: list = (), summary: JournalSummary | None = None,
+                exit_code: int | None = None) -> str:
+    """A JSON document: {"collisions": [<journal collision record>, ...], "hazards": [...],
+    "verifications": [<each file's latest verdict, with "supersedes">, ...],
+    "size_fluctuations": [...], "torn_reads": [...], "counts": {...}, ...}. Records are the
+    journal's, with only the fields a report reads, each of its expected type
+    (monitor/cli/journalrecords.py); every list holds at most MAX_RECORDS_KEPT, the newest;
+    "counts" are the totals."""
+    doc = {"collisions": [c.to_record() for c in collisions], "hazards": list(hazards)}
+    if summary is not None:
+        doc["verifications"] = summary.verdicts
+        doc["size_fluctuations"] = [f for f in summary.findings
+                                    if f.get("type") == "size_fluctuation"]
+        doc["torn_reads"] = [f for f in summary.findings if f.get("type") == "torn_read"]
+        doc["counts"] = dict(summary.counts, writes=summary.writes,
+                             unusable_checkpoints=len(summary.unusable))
+        doc["malformed"] = summary.malformed
+        doc["not_listed"] = summary.total_dropped
+        doc["journals"] = list(summary.journals)
+    if exit_code is not None:
+        doc["exit_code"] = exit_code
+    # Compact: the C encoder (indent= takes the pure-Python one, ~5x slower).
+    return json.dumps(doc, sort_keys=False, allow_nan=False)
+
+
+def _newest(items: list, limit: int, what: str, width: int) -> tuple:
+    """The newest `limit` items and the line saying how many older ones are not shown."""
+    if len(items) <= limit:
+        return list(items), []
+    return list(items)[-limit:], wrapped("", f"({len(items) - limit} older {what} not shown; "
+                                             "--format json lists up to "
+                                             f"{MAX_RECORDS_KEPT:,})", width)
 
 
 def render_hazards(hazards: list, width: int = 80) -> str:
-    """One block per hazard: the path, what is wrong, who, the fix."""
+    """One block per hazard: the path, what is wrong, who, the fix (the newest TABLE_ITEMS)."""
     from exporters.logline import HAZARD_TEXT
-    lines = []
-    for h in hazards:
+    shown, more = _newest(hazards, TABLE_ITEMS, "hazards", width)
+    lines = list(more)
+    for h in shown:
         if lines:
             lines.append("")
-        lines.append(keep_tail(str(h.get("path")), width))
-        kind = str(h.get("hazard"))
-        head = f"hazard {kind} (shared storage: {h.get('shared')})"
-        if h.get("job"):
-            head += f", job {h.get('job')}"
+        lines.append(keep_tail(text(h, "path") or "?", width))
+        kind = text(h, "hazard") or "?"
+        shared = h.get("shared")
+        head = f"hazard {kind} (shared storage: {shared if shared is not None else '?'})"
+        if text(h, "job"):
+            head += f", job {text(h, 'job')}"
         lines += wrapped("", clean(head), width)
         lines += wrapped("", clean(HAZARD_TEXT.get(kind, kind)), width)
-        writer = (h.get("writers") or [{}])[0]
+        writers = h.get("writers") or [{}]
+        writer = writers[0]
         who = f"rank{writer.get('rank')}@{writer.get('node')} (pid {writer.get('pid')})"
         if writer.get("site"):
             who += f" at {writer.get('site')}"
@@ -174,22 +208,130 @@ def render_hazards(hazards: list, width: int = 80) -> str:
     return "\n".join(line if len(line) <= width else keep_head(line, width) for line in lines)
 
 
+def _when(wall) -> str:
+    return "at an unknown time" if wall is None or not 1 <= wall <= 1e11 else \
+        time.strftime("%Y-%m-%d ", time.localtime(int(wall))) + clock_time(wall)
+
+
+def _verdict_text(v: dict) -> str:
+    result = text(v, "result") or "?"
+    cause = text(v, "cause")
+    what = f"{result} ({cause})" if cause else result
+    if text(v, "format"):
+        what += f", {text(v, 'format')}"
+    return what + f", verified {_when(number(v, 'wall'))}"
+
+
+def render_verdicts(verdicts: list, width: int = 80) -> str:
+    """One block per file: its latest verdict (result, cause, when, why) and the bad one an
+    ok verdict superseded."""
+    shown, more = _newest(verdicts, TABLE_ITEMS, "verdicts", width)
+    lines = list(more)
+    for v in shown:
+        if lines:
+            lines.append("")
+        lines.append(keep_tail(text(v, "path") or "?", width))
+        lines += wrapped("verdict: ", clean(_verdict_text(v)), width)
+        if text(v, "reason"):
+            lines += wrapped("why: ", clean(text(v, "reason")), width)
+        if text(v, "collision_id"):
+            lines += wrapped("written by collision: ", clean(text(v, "collision_id")), width)
+        old = v.get("supersedes")
+        if old:
+            lines += wrapped("supersedes: ", clean(_verdict_text(old)) + " (a later save "
+                             "of this path was verified whole)", width)
+    return "\n".join(line if len(line) <= width else keep_head(line, width) for line in lines)
+
+
+def _finding_who(f: dict) -> str:
+    names = []
+    for w in (f.get("writers") or [])[:8]:
+        rank, pid = w.get("rank"), w.get("pid")
+        names.append(f"rank{rank} (pid {pid})" if rank is not None else f"pid {pid}")
+    return ", ".join(names)
+
+
+def render_findings(findings: list, width: int = 80) -> str:
+    """One block per size fluctuation or torn read: the path, what was seen, by whom."""
+    shown, more = _newest(findings, TABLE_ITEMS, "findings", width)
+    lines = list(more)
+    for f in shown:
+        if lines:
+            lines.append("")
+        lines.append(keep_tail(text(f, "path") or "?", width))
+        when = _when(number(f, "wall"))
+        if f.get("type") == "size_fluctuation":
+            before, after = integer(f, "size_before"), integer(f, "size_after")
+            what = (f"size fluctuation {when}: {text(f, 'rule') or 'shrank while written'}, "
+                    f"{human_bytes(before)} then {human_bytes(after)}")
+        else:
+            reader = f.get("reader") or {}
+            what = (f"torn read {when}: read by pid {reader.get('pid', '?')} while it was "
+                    "being written")
+        lines += wrapped("", clean(what), width)
+        who = _finding_who(f)
+        if who:
+            lines += wrapped("writers: ", clean(who), width)
+        if text(f, "job"):
+            lines += wrapped("job: ", clean(text(f, "job")), width)
+    return "\n".join(line if len(line) <= width else keep_head(line, width) for line in lines)
+
+
+def _plural(n: int, word: str, plural: str | None = None) -> str:
+    return f"{n} {word if n == 1 else plural or word + 's'}"
+
+
 def summary_line(summary: JournalSummary, journal: str, width: int = 80) -> str:
-    """The closing line: how many collisions in how many writes, and where from (the journal
-    path moves to a second line when both do not fit the width)."""
-    if summary.collisions:
+    """The closing line: what was found in how many writes, and where from (the journal path
+    moves to a second line when both do not fit the width)."""
+    counts = summary.counts
+    n = counts["collisions"] or len(summary.collisions)
+    if n:
         paths = len({c.path for c in summary.collisions})
-        n = len(summary.collisions)
-        text = (f"{n} collision{'s' if n != 1 else ''} on {paths} "
-                f"path{'s' if paths != 1 else ''} in {summary.writes} writes recorded in ")
+        parts = [f"{_plural(n, 'collision')} on {_plural(paths, 'path')}"]
     else:
-        text = f"no collisions in {summary.writes} writes recorded in "
-    tail = f" ({summary.malformed} unreadable lines skipped)" if summary.malformed else ""
-    line = text + clean(journal) + tail
+        parts = ["no collisions"]
+    unusable = len(summary.unusable)
+    for count, word in ((counts["hazards"], "hazard"),
+                        (unusable, "unusable checkpoint"),
+                        (len(summary.verdicts_by_path) - unusable, "other verdict"),
+                        (counts["size_fluctuations"], "size fluctuation"),
+                        (counts["torn_reads"], "torn read")):
+        if count:
+            parts.append(_plural(count, word))
+    text_ = ", ".join(parts) + f" in {summary.writes} writes recorded in "
+    notes = []
+    if summary.malformed:
+        notes.append(f"{summary.malformed} unreadable lines skipped")
+    tail = f" ({'; '.join(notes)})" if notes else ""
+    line = text_ + clean(journal) + tail
     if len(line) <= width:
         return line
     # The journal path is what a person copies next: give it a line of its own.
-    return text.rstrip() + "\n  " + keep_tail(journal + tail, width - 2)
+    return "\n".join(wrapped("", text_.rstrip(), width)).lstrip() + "\n  " + \
+        keep_tail(journal + tail, width - 2)
+
+
+def render_text(summary: JournalSummary, journal: str, width: int = 80, quiet: bool = False,
+                paint: Painter | None = None) -> str:
+    """The whole table report: collisions, hazards, verdicts, findings, the closing line
+    (left out under -q; coloured when `paint` is enabled: a terminal without NO_COLOR)."""
+    sections = []
+    if summary.collisions:
+        shown, more = _newest(summary.collisions, TABLE_ITEMS, "collisions", width)
+        sections.append("\n".join(more + [render_table(shown, width)]))
+    for title, render, items in (("hazards", render_hazards, summary.hazards),
+                                 ("verification verdicts", render_verdicts, summary.verdicts),
+                                 ("size fluctuations and torn reads", render_findings,
+                                  summary.findings)):
+        if items:
+            sections.append(f"== {title} ==\n" + render(items, width))
+    if not quiet:
+        closing = summary_line(summary, journal, width)
+        if paint is not None and paint.enabled:
+            closing = paint(closing, "bad" if summary.unsafe else "good")
+        sections.append(closing)
+    return "\n\n".join(sections) + "\n" if sections else ""
 
 
 # ---------------------------------------------------------------------------- command
@@ -217,9 +359,15 @@ def add_arguments(parser) -> None:
                         help="write the report to FILE instead of standard output")
 
 
+def exit_code(summary: JournalSummary) -> int:
+    """1 when the report shows a collision, a hazard or an unusable checkpoint, else 0."""
+    return EXIT_FOUND if summary.unsafe else EXIT_OK
+
+
 def run(args, out=None, err=None) -> int:
-    """Print the report; 0 when produced (collisions or not), 2 without a readable journal
-    (UsageError from the checks; a failure to read later is one line and 2 as well)."""
+    """Print the report. Exit 1 when it shows a collision, a hazard or a checkpoint whose
+    latest verdict is corrupt or incomplete; 0 when it shows none; 2 without a readable
+    journal (one line on standard error: UsageError from the checks, or a failure to read)."""
     out = out or sys.stdout
     err = err or sys.stderr
     journals = getattr(args, "journal", None) or [report_journal_path()]
@@ -236,40 +384,34 @@ def run(args, out=None, err=None) -> int:
     try:
         summary = summarize(paths[0] if len(paths) == 1 else paths, details=(fmt == "html"))
     except OSError as exc:
-        print(f"ckptwatch report: cannot read journal {journal}: {exc.strerror or exc}",
+        name = exc.filename if isinstance(exc.filename, str) else journal
+        print(f"ckptwatch report: cannot read journal {clean(name)}: {exc.strerror or exc}",
               file=err)
         return EXIT_NO_JOURNAL
     if level >= VERBOSE:
         print(f"ckptwatch report: read {summary.files} file(s) of {len(paths)} journal(s): "
               + ", ".join(clean(p) for p in paths), file=err)
+    code = exit_code(summary)
     output = getattr(args, "output", None)
     to_stdout = not output or output == "-"
     if fmt == "json":
-        text = render_json(summary.collisions, summary.hazards) + "\n"
+        report = render_json(summary.collisions, summary.hazards, summary, code) + "\n"
     elif fmt == "html":
         from monitor.cli.timeline import render_html    # only for html: its own imports
-        text = render_html(summary)
+        report = render_html(summary)
     else:
-        paint = Painter(out if to_stdout else None)
-        closing = summary_line(summary, journal)
-        if level < NORMAL:
-            closing = ""            # -q: the collisions and hazards only
-        elif paint.enabled:
-            closing = paint(closing, "bad" if summary.collisions else "good")
-        text = (render_table(summary.collisions) + "\n\n" if summary.collisions else "") \
-            + (render_hazards(summary.hazards) + "\n\n" if summary.hazards else "") \
-            + (closing + "\n" if closing else "")
-        if level < NORMAL:
-            text = text.rstrip("\n") + "\n" if text.strip() else ""
+        report = render_text(summary, journal, quiet=level < NORMAL,
+                             paint=Painter(out if to_stdout else None))
     if to_stdout:
-        out.write(text)
-        return EXIT_OK
+        out.write(report)
+        return code
     try:
         with open(output, "w", encoding="utf-8") as fh:
-            fh.write(text)
+            fh.write(report)
     except OSError as exc:
-        print(f"ckptwatch report: cannot write {output}: {exc.strerror or exc}", file=err)
+        print(f"ckptwatch report: cannot write {clean(output)}: {exc.strerror or exc}",
+              file=err)
         return EXIT_NO_JOURNAL
     if level >= NORMAL:
-        print(f"ckptwatch report: wrote {output}", file=err)
-    return EXIT_OK
+        print(f"ckptwatch report: wrote {clean(output)}", file=err)
+    return code

@@ -5,8 +5,9 @@ per write on a time axis, one row per process (rank, node, pid), rows grouped by
 two or more writes of a concurrent collision were in flight at once the interval is shaded
 across every row and the colliding bars are red (orange for a redundant collision). Hovering
 a bar shows who, when, bytes, outcome and call site (SVG <title>: no script needed). Below:
-collisions with the fix `report` prints, findings, corrupt or unverifiable verdicts, and any
-record type this version does not know, shown generically.
+collisions with the fix `report` prints, hazards, findings, each file's latest verification
+verdict (an ok one says which bad verdict it superseded), and any record type this version
+does not know, shown generically.
 
 The page fetches nothing (inline CSS and SVG, system fonts, no script) and says so to the
 browser: its Content-Security-Policy forbids scripts and every fetch, a second line of defence
@@ -406,16 +407,41 @@ def _int(value):
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
+def _verdict_cell(v: dict) -> str:
+    result = f'<span class="verdict {_text(v.get("result"), 20)}">{_text(v.get("result"), 20)}</span>'
+    old = v.get("supersedes")
+    if isinstance(old, dict):
+        result += (f'<br><span class="superseded">supersedes '
+                   f'{_text(old.get("result"), 20)}'
+                   f'{" (" + _text(old.get("cause"), 40) + ")" if old.get("cause") else ""}'
+                   f' of {_text(_when(old.get("wall"), with_date=True))}</span>')
+    return result
+
+
 def _verdict_rows(verdicts: list) -> list:
     rows = []
     for v in reversed(verdicts):
         rows.append([_text(_when(v.get("wall"), with_date=True)),
-                     f"<code>{_text(v.get('path'), tail=True)}</code>",
-                     f'<span class="verdict {_text(v.get("result"), 20)}">'
-                     f'{_text(v.get("result"), 20)}</span>',
+                     f"<code>{_text(v.get('path'), tail=True)}</code>", _verdict_cell(v),
                      _text(v.get("cause"), 40), _text(v.get("reason"), 400),
                      _text(v.get("format"), 40), _text(human_bytes(_int(v.get("bytes")))),
                      f"<code>{_text(v.get('collision_id'), 40)}</code>"])
+    return rows
+
+
+def _hazard_rows(hazards: list) -> list:
+    rows = []
+    for h in reversed(hazards):
+        writers = h.get("writers") or [{}]
+        w = writers[0]
+        who = f"rank {w.get('rank')} on {w.get('node')} (pid {w.get('pid')})"
+        ranks = ", ".join(str(r) for r in (h.get("ranks") or [])[:64])
+        rows.append([_text(_when(h.get("wall"), with_date=True)),
+                     f"<code>{_text(h.get('path'), tail=True)}</code>",
+                     f'<span class="tag">{_text(h.get("hazard"), 40)}</span>',
+                     _text(h.get("shared"), 60), _text(who),
+                     f"<code>{_text(w.get('site'), tail=True)}</code>", _text(ranks),
+                     _text(h.get("job"), 60)])
     return rows
 
 
@@ -483,6 +509,8 @@ svg .bar.failed { stroke: #000; stroke-width: 2; }
 .tag.concurrent { background: COLOR_CONCURRENT; } .tag.redundant { background: COLOR_REDUNDANT; }
 .verdict.corrupt { color: #a01d16; font-weight: 600; }
 .verdict.unverifiable { color: #8a5a00; font-weight: 600; }
+.verdict.incomplete { color: #a01d16; font-weight: 600; }
+.superseded { color: var(--muted); font-size: 12px; }
 table { border-collapse: collapse; width: 100%; margin: 6px 0 4px; font-size: 13px; }
 th, td { text-align: left; vertical-align: top; padding: 4px 8px;
   border-bottom: 1px solid var(--rule); }
@@ -522,7 +550,7 @@ def _paths(summary: JournalSummary) -> list:
     for c in summary.collisions:
         by_path.setdefault(c.path, ([], []))[1].append(c)
 
-    corrupt = {v.get("path") for v in summary.verdicts if v.get("result") == "corrupt"}
+    corrupt = {v.get("path") for v in summary.unusable}
 
     def order(item):
         path, (writes, collisions) = item
@@ -541,13 +569,16 @@ def render_html(summary: JournalSummary, now: float | None = None) -> str:
     paths = _paths(summary)
     charted = paths[:MAX_PATHS]
     anchors = {path: f"path-{i}" for i, (path, _, _) in enumerate(charted)}
+    verdicts = summary.verdicts
     verdicts_by_path: dict = {}
-    for v in summary.verdicts:
+    for v in verdicts:
         verdicts_by_path.setdefault(v.get("path"), []).append(v)
     collisions = summary.collisions
-    n_conc = sum(1 for c in collisions if c.kind == KIND_CONCURRENT)
-    corrupt = sum(1 for v in summary.verdicts if v.get("result") == "corrupt")
-    n_sizes = sum(1 for f in summary.findings if f.get("type") == "size_fluctuation")
+    n_conc = summary.counts["concurrent"]
+    results: dict = {}
+    for v in verdicts:
+        results[v.get("result")] = results.get(v.get("result"), 0) + 1
+    counts = summary.counts
     title = (f"{_plural(len(collisions), 'collision')} on "
              f"{_plural(len({c.path for c in collisions}), 'path')}") if collisions \
         else "no collisions"
@@ -562,18 +593,21 @@ def render_html(summary: JournalSummary, now: float | None = None) -> str:
               + (f" and {len(jobs) - 20} more" if len(jobs) > 20 else "") or "-"),
              ("writes", f"{summary.writes} on {_plural(len(paths), 'path')}, by "
                         f"{_plural(len({w.writer.key for w in summary.kept_writes.values()}), 'process')}"),
-             ("collisions", f"{len(collisions)} ({n_conc} concurrent, "
-                            f"{len(collisions) - n_conc} redundant)"),
-             ("findings", f"{_plural(n_sizes, 'size fluctuation')}, "
-                          f"{_plural(len(summary.findings) - n_sizes, 'torn read')}, "
-                          f"{_plural(len(summary.hazards), 'hazard')}, "
+             ("collisions", f"{summary.counts['collisions']} ({n_conc} concurrent, "
+                            f"{summary.counts['redundant']} redundant)"),
+             ("findings", f"{_plural(counts['size_fluctuations'], 'size fluctuation')}, "
+                          f"{_plural(counts['torn_reads'], 'torn read')}, "
+                          f"{_plural(counts['hazards'], 'hazard')}, "
                           f"{len(summary.others)} other"),
-             ("verdicts", f"{corrupt} corrupt, {len(summary.verdicts) - corrupt} unverifiable"),
+             ("verdicts", ", ".join(f"{results.get(r, 0)} {r}" for r in
+                                    ("corrupt", "incomplete", "unverifiable", "ok"))
+              + " (each file's latest)"),
              ("journal", ", ".join(f"<code>{_text(j, tail=True)}</code>"
                                    for j in summary.journals[:8])
               + f" ({_plural(summary.files, 'file')}"
               + (f", {summary.malformed} unreadable lines skipped" if summary.malformed else "")
-              + (f", {summary.dropped} oldest records not loaded" if summary.dropped else "")
+              + (f", {summary.total_dropped} oldest records not loaded"
+                 if summary.total_dropped else "")
               + ")")]
     out = ["<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
            f'<meta http-equiv="Content-Security-Policy" content="{CSP}">',
@@ -604,16 +638,22 @@ def render_html(summary: JournalSummary, now: float | None = None) -> str:
     out.append(_table(["when", "finding", "path", "writers", "what", "job"],
                       _finding_rows(findings[-MAX_TABLE_ROWS:]), len(findings), "findings")
                if findings else '<p class="none">none</p>')
-    out.append("<h2>Corrupt and unverifiable checkpoints</h2>")
-    verdicts = list(summary.verdicts)
+    out.append("<h2>Verification verdicts</h2>")
+    out.append('<p class="sub">Each file\'s latest verdict the agent journaled (corrupt, '
+               'incomplete, unverifiable; ok when it supersedes one of those or is of a '
+               'collision\'s file).</p>')
     out.append(_table(["verified", "path", "result", "cause", "reason", "format", "bytes",
                        "written by collision"],
                       _verdict_rows(verdicts[-MAX_TABLE_ROWS:]), len(verdicts), "verdicts")
                if verdicts else '<p class="none">none</p>')
-    out += _records_section(
-        "Hazards", "Saves that will collide under the right timing (job scope: a "
-        "<code>local_rank == 0</code> guard, several ranks on shared storage).",
-        list(summary.hazards), "hazards")
+    out.append("<h2>Hazards</h2>")
+    out.append('<p class="sub">Saves that will collide under the right timing (job scope: '
+               'a <code>local_rank == 0</code> guard, several ranks on shared storage).</p>')
+    hazards = list(summary.hazards)
+    out.append(_table(["reported", "path", "hazard", "shared storage", "reported by",
+                       "call site", "ranks writing it", "job"],
+                      _hazard_rows(hazards[-MAX_TABLE_ROWS:]), len(hazards), "hazards")
+               if hazards else '<p class="none">none</p>')
     out += _records_section(
         "Other findings", "Record types this version of the report does not know, as recorded.",
         list(summary.others), "others")

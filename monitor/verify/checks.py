@@ -20,9 +20,11 @@ class Checks:
     """
 
     def __init__(self, enabled: bool = True, quiet: float = 2.0, max_paths: int = 10000,
-                 deep_max_bytes: int = 0, max_rate: float | None = None, clock=time.monotonic):
+                 deep_max_bytes: int = 0, max_rate: float | None = None, clock=time.monotonic,
+                 incomplete_after: float = 60.0):
         self.enabled = enabled
-        self.schedule = VerifySchedule(quiet=quiet, max_paths=max_paths)
+        self.schedule = VerifySchedule(quiet=quiet, max_paths=max_paths,
+                                       incomplete_after=incomplete_after)
         self.verifier = Verifier(deep_max_bytes=deep_max_bytes, max_rate=max_rate or None)
         self._clock = clock
 
@@ -72,6 +74,9 @@ class Checks:
             self.verifier.submit(path, job, collision_id, readers)
         for directory, runs in self.schedule.due_sets(now):       # checkpoint sets
             self.verifier.submit_set(directory, runs)
+        for directory in self.schedule.due_unfinished(now):       # DCP without .metadata
+            self.verifier.submit_set(directory, self.schedule.runs_in(directory),
+                                     unfinished_for=self.schedule.incomplete_after)
         results = self.verifier.drain()
         self.schedule.verified(results, now)
         return results

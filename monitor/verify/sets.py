@@ -93,6 +93,15 @@ def set_of(path: str) -> str | None:
     return None
 
 
+def unfinished_dcp(path: str) -> str | None:
+    """The directory of a DCP shard whose `.metadata` is not there (yet): its save has not
+    finished, or never will (it crashed). None for any other file."""
+    directory, name = os.path.split(path)
+    if not name.endswith(DCP_SUFFIX):
+        return None
+    return None if os.path.lexists(os.path.join(directory, DCP_METADATA)) else directory
+
+
 def listing(directory: str) -> list[str]:
     """Up to MAX_LISTING names in a directory (empty if it cannot be read)."""
     names = []

@@ -48,7 +48,12 @@ from monitor.verify import sets as checkpoint_sets
 log = logging.getLogger("ckptwatch.verifier")
 
 RESULT_GONE = "gone"        # the file was renamed or deleted before it could be verified
-RESULTS = (integrity.OK, integrity.CORRUPT, integrity.UNVERIFIABLE, RESULT_GONE)
+# A DCP checkpoint whose .metadata never came: no write in its directory for
+# `incomplete_after` seconds after a shard was verified (its save crashed or was killed).
+RESULT_INCOMPLETE = "incomplete"
+CAUSE_MISSING_METADATA = "missing_metadata"
+RESULTS = (integrity.OK, integrity.CORRUPT, integrity.UNVERIFIABLE, RESULT_GONE,
+           RESULT_INCOMPLETE)
 MAX_REMEMBERED = 10000      # files whose last verified (size, mtime, inode) is kept
 _NEVER = float("inf")       # the due time of a path being written: due only after its end
 
@@ -75,6 +80,9 @@ class Verification:
     pickle: str = ""
     refused_globals: tuple = ()
     set_dir: str = ""                 # the checkpoint set this file may belong to (not journaled)
+    # A DCP shard's directory without .metadata yet (not journaled): judged incomplete if
+    # none comes (VerifySchedule.incomplete_after).
+    unfinished_set: str = ""
 
 
 MAX_SENDERS = 4            # distinct senders remembered per due path; any one may grant a read
@@ -111,6 +119,7 @@ def _verification(path: str, verdict: integrity.Verdict, deep: bool, size: int |
 class _SetJob:
     directory: str
     runs: dict
+    unfinished_for: float | None = None     # seconds quiet without .metadata (incomplete?)
 
 
 @dataclass
@@ -130,6 +139,10 @@ class VerifySchedule:
 
     quiet: float = 1.0
     max_paths: int = 10000
+    # Seconds without a write in a DCP directory whose .metadata has not come, after one of
+    # its shards was verified, before the set is judged incomplete (a slow save's last shard
+    # and .metadata may come minutes after the first shard; each write there restarts it).
+    incomplete_after: float = 60.0
     _due: dict = field(default_factory=dict)            # hook-reported path -> _Due
     _due_watched: dict = field(default_factory=dict)    # watched path -> _Due
     # hook-reported path -> the senders (monitor.verify.rights.Rights) whose hooks wrote there:
@@ -141,6 +154,9 @@ class VerifySchedule:
     _watched: OrderedDict = field(default_factory=OrderedDict)
     _sets: dict = field(default_factory=dict)          # set directory -> when it is due
     _runs: OrderedDict = field(default_factory=OrderedDict)   # path -> last writer's run key
+    # DCP directory without .metadata -> when it is judged (incomplete_after after its last
+    # write or verified shard; inf while a write there is in flight). Bounded by max_paths.
+    _unfinished: OrderedDict = field(default_factory=OrderedDict)
 
     def _due_in_order(self) -> bool:
         """The invariant due() relies on (tests): a hook path's due time is set only when it
@@ -158,7 +174,7 @@ class VerifySchedule:
         entry = self._due_watched.pop(path, None) or self._due.pop(path, None) or _Due(now, job)
         entry.at = now + self.quiet
         entry.job = job or entry.job
-        self._set_busy(path, now + self.quiet)
+        self._set_busy(path, now + self.quiet, now)
         self._enqueue(path, entry)
 
     def _enqueue(self, path: str, entry: _Due) -> None:
@@ -224,6 +240,7 @@ class VerifySchedule:
 
     def member_verified(self, directory: str, now: float) -> None:
         """A file of the set in `directory` was verified: the set is due `quiet` later."""
+        self._unfinished.pop(directory, None)        # its .metadata came
         self._sets.pop(directory, None)
         self._sets[directory] = now + self.quiet
         if len(self._sets) > self.max_paths:
@@ -233,6 +250,18 @@ class VerifySchedule:
         for v in results:
             if v.set_dir:
                 self.member_verified(v.set_dir, now)
+            elif v.unfinished_set:
+                self._unfinished.pop(v.unfinished_set, None)
+                self._unfinished[v.unfinished_set] = now + self.incomplete_after
+                if len(self._unfinished) > self.max_paths:
+                    self._unfinished.popitem(last=False)
+
+    def due_unfinished(self, now: float) -> list[str]:
+        """DCP directories quiet for incomplete_after without a .metadata; removed."""
+        ready = [d for d, at in self._unfinished.items() if at <= now]
+        for directory in ready:
+            del self._unfinished[directory]
+        return ready
 
     def due_sets(self, now: float) -> list[tuple[str, dict]]:
         """(directory, {member path: run key}) of every set quiet since `quiet`; removed."""
@@ -240,16 +269,21 @@ class VerifySchedule:
         out = []
         for directory in ready:
             del self._sets[directory]
-            runs = {p: k for p, k in self._runs.items() if os.path.dirname(p) == directory}
-            out.append((directory, runs))
+            out.append((directory, self.runs_in(directory)))
         return out
 
-    def _set_busy(self, path: str, at: float) -> None:
-        if not self._sets:      # no set is waiting (the usual case): no directory to look up
-            return
+    def runs_in(self, directory: str) -> dict:
+        """{member path: its last writer's run key} of the files in `directory`."""
+        return {p: k for p, k in self._runs.items() if os.path.dirname(p) == directory}
+
+    def _set_busy(self, path: str, at: float, now: float | None = None) -> None:
+        if not self._sets and not self._unfinished:
+            return              # no set is waiting (the usual case): no directory to look up
         directory = os.path.dirname(path)
         if directory in self._sets:
             self._sets[directory] = at
+        if directory in self._unfinished:   # a write there: the save is still going on
+            self._unfinished[directory] = at if now is None else now + self.incomplete_after
 
     def due(self, now: float) -> list[tuple[str, str, str, tuple | None]]:
         """(path, job, collision_id, readers) of every path quiet since `quiet` seconds;
@@ -345,8 +379,11 @@ class Verifier:
                readers: tuple | None = None) -> bool:
         return self._put((path, job, collision_id, readers), watched=readers is None)
 
-    def submit_set(self, directory: str, runs: dict | None = None) -> bool:
-        return self._put(_SetJob(directory, runs or {}), watched=True)
+    def submit_set(self, directory: str, runs: dict | None = None,
+                   unfinished_for: float | None = None) -> bool:
+        """Verify the sets in `directory`; unfinished_for: a DCP directory that has had no
+        .metadata for that many quiet seconds (incomplete, unless it came meanwhile)."""
+        return self._put(_SetJob(directory, runs or {}, unfinished_for), watched=True)
 
     def _put(self, item, watched: bool) -> bool:
         lane = self._watched_lane if watched else self._hook_lane
@@ -385,6 +422,34 @@ class Verifier:
                                      time.monotonic() - started, wall=self._wall()))
         return out
 
+    def verify_unfinished(self, directory: str, runs: dict | None,
+                          quiet_for: float) -> list[Verification]:
+        """A DCP directory whose .metadata had not come `quiet_for` seconds after its last
+        write: verified as a set if it came meanwhile, else judged incomplete (once for the
+        same files)."""
+        names = checkpoint_sets.listing(directory)
+        if checkpoint_sets.DCP_METADATA in names:
+            return self.verify_sets(directory, runs)
+        shards = [n for n in names if n.endswith(checkpoint_sets.DCP_SUFFIX)]
+        if not shards:
+            return []                       # removed meanwhile: nothing left to judge
+        sig = checkpoint_sets.signature(directory)
+        key = ("set", directory)
+        if self._verified.get(key) == sig:
+            self.unchanged_total += 1
+            return []
+        self._verified[key] = sig
+        self._verified.move_to_end(key)
+        if len(self._verified) > MAX_REMEMBERED:
+            self._verified.popitem(last=False)
+        n = len(shards)
+        return [Verification(
+            directory, RESULT_INCOMPLETE, checkpoint_sets.KIND_DCP,
+            f"{n} shard{'s' if n != 1 else ''} and no {checkpoint_sets.DCP_METADATA} "
+            f"{quiet_for:.0f}s after the last write: the save did not finish (it crashed or "
+            "was killed); torch.distributed.checkpoint cannot load it",
+            CAUSE_MISSING_METADATA, wall=self._wall())]
+
     def drain(self) -> list[Verification]:
         out = []
         while True:
@@ -407,6 +472,10 @@ class Verifier:
                 set_dir = checkpoint_sets.set_of(path)
                 if set_dir is not None:
                     result = dataclasses.replace(result, set_dir=set_dir)
+                else:
+                    unfinished = checkpoint_sets.unfinished_dcp(path)
+                    if unfinished is not None:
+                        result = dataclasses.replace(result, unfinished_set=unfinished)
             return result
         fd = None
         for sender in readers:
@@ -464,7 +533,10 @@ class Verifier:
                 return
             answer: list = []       # one answer per item, even without a verdict
             try:
-                if isinstance(item, _SetJob):
+                if isinstance(item, _SetJob) and item.unfinished_for is not None:
+                    answer = self.verify_unfinished(item.directory, item.runs,
+                                                    item.unfinished_for)
+                elif isinstance(item, _SetJob):
                     answer = self.verify_sets(item.directory, item.runs)
                 else:
                     result = self.verify(*item)

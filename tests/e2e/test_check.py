@@ -85,7 +85,7 @@ def test_hazard_records_of_any_kind_fail_the_check(tmp_path):
     write_incident_journal(journal)
     found = check.read_findings(journal)
     assert found.counts["hazards"] == 1
-    assert found.hazards[0]["hazard"] == "shared_path_no_guard"
+    assert found.hazards[0]["hazard"] == "shared_storage_multi_writer"
     assert found.counts["corrupt"] == 1
     assert found.counts["collisions"] >= 2
     # A hazard alone is enough.

@@ -96,8 +96,11 @@ def diagnose(*args: str) -> subprocess.CompletedProcess:
 
 
 def journaled_verdict(agent, path):
+    """The corrupt verdicts journaled for path (an earlier race that left the file whole has
+    its ok verdict journaled too: the verdict on a collision's file)."""
     return [r for r in agent.journal_records()
-            if r.get("type") == "verification" and r.get("path") == path]
+            if r.get("type") == "verification" and r.get("path") == path
+            and r.get("result") == "corrupt"]
 
 
 def race_until_it_corrupts(agent, run_race, path, loader, log, job) -> dict:

@@ -163,9 +163,12 @@ def test_polling_verifies_what_a_race_left_on_disk(watched):
     truth = verify(path, deep=True).status
     wait_for(lambda: agent.metric("ckptwatch_checkpoint_verifications_total", result=truth),
              timeout=30, message=f"the agent's verdict ({truth})")
-    corrupt = [r for r in agent.journal_records()
-               if r.get("type") == "verification" and r["path"] == path]
-    assert [r["result"] for r in corrupt] == (["corrupt"] if truth == "corrupt" else [])
+    journaled = [r for r in agent.journal_records()
+                 if r.get("type") == "verification" and r["path"] == path]
+    # A whole file is journaled only as the verdict on a collision's file (the ranks' saves
+    # may or may not have overlapped).
+    assert [r["result"] for r in journaled] in ((["corrupt"],) if truth == "corrupt"
+                                                 else ([], ["ok"]))
 
 
 WRITER = r"""

@@ -110,7 +110,7 @@ def test_chromium_draws_the_bars_where_the_journal_says(tmp_path):
     write_incident_journal(journal)
     page_file = tmp_path / "timeline.html"
     code, _, _ = report_html(journal, "-o", str(page_file))
-    assert code == 0
+    assert code == 1            # the incident's collisions
     shot = tmp_path / "shot.png"
     size = "--window-size=1400,1000"
     run_chromium(binary, tmp_path, f"--screenshot={shot}", size, page_file.as_uri())

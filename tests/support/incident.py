@@ -72,10 +72,15 @@ def incident_items() -> list:
     items += step
     items.append(Collision(path=STEP, kind="redundant", writes=tuple(step),
                            detected_wall=WALL0 + 30.0, id="5d0b7c21e9a4f613"))
-    # A record type this report does not know (job-scope hazards land later).
-    items.append({"type": "hazard", "path": LAST, "job": JOB, "wall": WALL0 + 40.0,
-                  "hazard": "shared_path_no_guard", "ranks": 4,
-                  "detail": "every rank of the job saves this path"})
+    # A job-scope hazard, as the agent journals it (monitor/agent/jobreports.py).
+    items.append({"type": "hazard", "path": LAST, "node": "gpu-a17", "source": "hook",
+                  "job": JOB, "wall": WALL0 + 40.0,
+                  "writers": [{"node": "gpu-a17", "pid": 40211, "rank": 0, "local_rank": 0,
+                               "job": JOB, "seq": 3, "site": "/workspace/train.py:212",
+                               "func": "save_checkpoint"}],
+                  "hazard": "shared_storage_multi_writer", "shared": "mount:nfs4",
+                  "ranks": [0, 1, 2, 3], "nodes": ["gpu-a17", "gpu-b03"],
+                  "reported_by": 40211})
     return items
 
 

@@ -179,7 +179,8 @@ def test_rules_use_only_exported_metrics(exported_names):
     assert {"ckptwatch_last_collision_timestamp_seconds",
             "ckptwatch_last_corrupt_checkpoint_timestamp_seconds",
             "ckptwatch_last_collision_verification",
-            "ckptwatch_size_fluctuations_total", "ckptwatch_hazards_total"} <= used
+            "ckptwatch_last_size_fluctuation_timestamp_seconds",
+            "ckptwatch_last_hazard_timestamp_seconds"} <= used
     assert used - exported_names - PROMETHEUS_SERIES == set()
 
 
@@ -206,7 +207,8 @@ def test_alerts_keep_every_target_label_and_name_the_report_command():
     metrics = {m for name in JOB_ALERTS for m in metric_names(rules[name]["expr"])}
     assert metrics <= {"ckptwatch_last_collision_timestamp_seconds",
                        "ckptwatch_last_corrupt_checkpoint_timestamp_seconds",
-                       "ckptwatch_size_fluctuations_total", "ckptwatch_hazards_total"}
+                       "ckptwatch_last_size_fluctuation_timestamp_seconds",
+                       "ckptwatch_last_hazard_timestamp_seconds"}
 
 
 def test_dashboard_uses_only_exported_metrics(exported_names):

@@ -27,7 +27,9 @@ GOLDEN = os.path.join(REPO_ROOT, "tests", "fixtures", "metrics_exposition.txt")
 # Values that depend on when the test runs, not on the agent's state: the wall time of a
 # collision, and the queue wait of the loop (0 here, but a clock reading).
 TIMED = {"ckptwatch_last_collision_timestamp_seconds", "ckptwatch_loop_lag_seconds",
-         "ckptwatch_last_corrupt_checkpoint_timestamp_seconds"}
+         "ckptwatch_last_corrupt_checkpoint_timestamp_seconds",
+         "ckptwatch_last_hazard_timestamp_seconds",
+         "ckptwatch_last_size_fluctuation_timestamp_seconds"}
 
 
 def _event(kind, pid, seq, mono, path, job="jobA", rank=None):

@@ -69,7 +69,7 @@ def test_table_lists_writers_in_start_order_with_the_fix(sockdir):
     journal_from_detector(journal, [(2, "n1", 0.3), (0, "n1", 0.1), (3, "n2", 0.4),
                                     (1, "n2", 0.2)], extra_writes=2)
     code, out, err = report(["--journal", str(journal)])
-    assert code == 0 and err == ""
+    assert code == 1 and err == ""          # it shows a collision
     lines = out.splitlines()
     assert all(len(line) <= 80 for line in lines), [l for l in lines if len(l) > 80]
     assert lines[0] == PATH
@@ -102,7 +102,7 @@ def test_json_parses_and_round_trips(tmp_path):
     journal = tmp_path / "journal.jsonl"
     journal_from_detector(journal, [(0, "n1", 0.0), (1, "n1", 0.5)])
     code, out, _ = report(["--journal", str(journal), "--format", "json"])
-    assert code == 0
+    assert code == 1
     doc = json.loads(out)
     [rec] = doc["collisions"]
     assert rec["type"] == "collision" and rec["path"] == PATH
@@ -134,7 +134,12 @@ def test_no_collisions_prints_a_summary(sockdir):
     assert out.replace("\n  ", " ") == f"no collisions in 4 writes recorded in {journal}\n"
     assert all(len(line) <= 80 for line in out.splitlines())
     code, out, _ = report(["--journal", str(journal), "--format", "json"])
-    assert json.loads(out) == {"collisions": [], "hazards": []}
+    doc = json.loads(out)
+    assert code == 0 and doc["exit_code"] == 0
+    assert {k: doc[k] for k in ("collisions", "hazards", "verifications",
+                                "size_fluctuations", "torn_reads")} == dict.fromkeys(
+        ("collisions", "hazards", "verifications", "size_fluctuations", "torn_reads"), [])
+    assert doc["counts"]["writes"] == 4 and doc["counts"]["collisions"] == 0
 
 
 def test_missing_or_unusable_journal_exits_2(tmp_path):
@@ -152,7 +157,7 @@ def test_malformed_lines_are_skipped_and_mentioned(tmp_path):
     summary = summarize(str(journal))
     assert len(summary.collisions) == 1 and summary.malformed == 2
     code, out, _ = report(["--journal", str(journal)])
-    assert code == 0 and out.rstrip().endswith("(2 unreadable lines skipped)")
+    assert code == 1 and out.rstrip().endswith("(2 unreadable lines skipped)")
 
 
 def write(pid, rank, node, start, dur=1.0, site="train.py:42", local_rank=None, job="j1",
@@ -225,6 +230,6 @@ def test_a_collision_with_an_impossible_time_is_skipped_not_a_crash(tmp_path):
     with open(journal, "a") as fh:
         fh.write(json.dumps(rec) + "\n")
     code, out, err = report(["--journal", str(journal)])
-    assert code == 0 and err == ""
+    assert code == 1 and err == ""
     assert out.rstrip().endswith("(1 unreadable lines skipped)")
     assert "1 collision on 1 path" in out

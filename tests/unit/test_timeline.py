@@ -20,7 +20,7 @@ def incident_page(tmp_path):
     journal = tmp_path / "journal.jsonl"
     write_incident_journal(journal)
     code, out, err = report_html(journal)
-    assert code == 0 and err == ""
+    assert code == 1 and err == ""      # it shows collisions: exit 1, as the table and JSON
     return out
 
 
@@ -86,7 +86,8 @@ def test_hover_text_collision_findings_verdicts_and_unknown_records(incident_pag
     assert "CORRUPT: torn" in text
     # the hazard record (job scope) has a table of its own
     [hazards] = [t for t in page.find("table", "hazards")]
-    assert "hazard=shared_path_no_guard" in text and "ranks=4" in text
+    assert "shared_storage_multi_writer" in text and "0, 1, 2, 3" in text
+    assert "mount:nfs4" in text and "rank 0 on gpu-a17 (pid 40211)" in text
     assert "2 collisions on 2 paths" in text and "llama-7b-0412" in text
     assert "7 on 3 paths, by 4 processes" in text
 
@@ -125,7 +126,7 @@ def test_every_journal_string_is_escaped(tmp_path):
                    "wall": HOSTILE}]
     write_incident_journal(journal, items)
     code, out, _ = report_html(journal)
-    assert code == 0
+    assert code == 1
     assert "<script" not in out.lower() and "<img" not in out.lower()
     assert "onmouseover=alert(2)" not in out.replace("&quot;onmouseover=alert(2)", "")
     page = Page(out)
@@ -196,7 +197,7 @@ def test_writes_to_file_and_reads_several_journals(tmp_path):
     write_incident_journal(journal)
     out_file = tmp_path / "timeline.html"
     code, out, err = report_html(journal, "-o", str(out_file))
-    assert code == 0 and out == "" and f"wrote {out_file}" in err
+    assert code == 1 and out == "" and f"wrote {out_file}" in err
     assert out_file.read_text().startswith("<!DOCTYPE html>")
     second = tmp_path / "other.jsonl"
     write_incident_journal(second, [write(1, "/elsewhere.pt", 100.0, 1.0)])

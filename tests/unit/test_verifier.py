@@ -176,7 +176,7 @@ def test_hook_reported_paths_cannot_fill_the_queue_for_watched_ones():
 
 def test_a_verification_becomes_a_finding_with_every_journaled_field():
     """The agent hands a Verification to the exporters as a Finding (monitor.agent.daemon):
-    its journal record carries every field but set_dir, the kind's own after the common."""
+    its journal record carries every field but set_dir and unfinished_set, the kind's own after the common."""
     import dataclasses
 
     from monitor.agent.daemon import verification_finding
@@ -190,7 +190,8 @@ def test_a_verification_becomes_a_finding_with_every_journaled_field():
     assert (finding.kind, finding.get("result"), finding.job) == \
         (FINDING_VERIFICATION, "corrupt", "j1")
     record = finding.to_record()
-    fields = {f.name: getattr(v, f.name) for f in dataclasses.fields(v) if f.name != "set_dir"}
+    fields = {f.name: getattr(v, f.name) for f in dataclasses.fields(v)
+              if f.name not in ("set_dir", "unfinished_set")}
     assert record == {"type": "verification", **fields}
     assert list(record)[:4] == ["type", "path", "job", "wall"]
 
