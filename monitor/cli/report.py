@@ -46,8 +46,9 @@ def writer_kinds(c: Collision) -> list:
     or the filesystem's writes), so a plain torch.save report reads as it always did."""
     if all(w.writer_kind is None for w in c.writes):
         return []
-    return sorted({clean(w.writer_kind or ("torch.save" if w.source == "hook" else "?"))
-                   for w in c.writes})
+    kinds = {w.writer_kind or ("torch.save" if w.source == "hook" else None)
+             for w in c.writes}
+    return sorted(clean(kind) for kind in kinds if kind is not None)
 
 
 def _who(w: Write) -> str:
