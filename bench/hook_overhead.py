@@ -3,6 +3,10 @@
     python bench/hook_overhead.py [--rounds-small 3000] [--rounds-large 40]
                                   [--process-saves 5000] [--process-saves-large 20]
                                   [--pairs 3] [--skip-save-path] [--skip-process]
+                                  [--skip-writers]
+
+Per writer (--skip-writers skips it): bench/writer_overhead.py, the added cost of a
+safetensors save_file and a DCP save beside torch.save's, interleaved in one process.
 
 Save path: for each state-dict size, every round calls the plain (original) torch.save and the
 instrumented one back to back, in alternating order, to tmpfs (/dev/shm), so both see the same
@@ -147,6 +151,9 @@ def main(argv=None) -> int:
     ap.add_argument("--pairs", type=int, default=3)
     ap.add_argument("--skip-save-path", action="store_true")
     ap.add_argument("--skip-process", action="store_true")
+    ap.add_argument("--skip-writers", action="store_true",
+                    help="skip the per-writer table (bench/writer_overhead.py: torch.save, "
+                         "safetensors, DCP side by side)")
     ap.add_argument("--dir", default="/dev/shm" if os.path.isdir("/dev/shm") else None)
     args = ap.parse_args(argv)
 
@@ -170,6 +177,11 @@ def main(argv=None) -> int:
 
     import platform
     print(f"python {platform.python_version()}, {os.cpu_count()} cpus, files in {args.dir}")
+    if not args.skip_writers:
+        # In a child: this process's hook and writers are already set up for the tables above.
+        print("\nPer writer (bench/writer_overhead.py, one process, interleaved):", flush=True)
+        subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__),
+                                                     "writer_overhead.py")], check=False)
     if save_path is not None:
         rows, stats, received, down_diff, down_stats = save_path
         print("\nSave path (plain and instrumented torch.save interleaved in one process):")

@@ -29,9 +29,11 @@ def install() -> bool:
 
 
 def uninstall() -> bool:
-    """Restore the original torch.save if the current one is ours. Idempotent."""
-    from ckptwatch import hook
-    return hook.uninstall()
+    """Restore the original torch.save and the other writers' functions where the current
+    ones are ours. Idempotent."""
+    from ckptwatch import hook, writers
+    restored = writers.uninstall()
+    return hook.uninstall() or restored
 
 
 def is_installed() -> bool:

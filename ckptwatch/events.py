@@ -35,6 +35,12 @@ Event object (schema version 1). Fields marked (start, end) appear in both kinds
   path         str   absolute, normalised path being written
   site         str   "file:line" of the first caller frame outside torch and ckptwatch
   func         str   that frame's function name
+  writer       str|null  (optional; added within version 1) the library that wrote:
+                     "torch.save" (also when absent: hooks before this field reported
+                     torch.save only, and the torch.save hook omits it), "safetensors", "dcp"
+                     (torch.distributed.checkpoint), "fsspec". The agent keeps the value only
+                     if it is one of WRITER_KINDS and reads any other string as "other"
+                     (monitor.detect): a newer hook's writer is not a reason to lose its write.
   wall         float time.time() when this event happened (seconds since the epoch)
   mono         float time.monotonic() when this event happened (CLOCK_MONOTONIC is node-wide
                      on Linux, so the agent can order events of different processes exactly)
@@ -149,6 +155,14 @@ REJECT_INCOMPLETE = "incomplete"        # required field missing or of the wrong
 REJECT_TRUNCATED = "truncated"          # connection closed in the middle of a frame
 REJECT_PID_MISMATCH = "pid_mismatch"    # event pid is not the connected process's pid
 REJECT_RATE_LIMITED = "rate_limited"    # job-scope events above a connection's rate
+# The writer kinds (the start/end field "writer"), and what the agent calls any other value.
+WRITER_TORCH_SAVE = "torch.save"
+WRITER_SAFETENSORS = "safetensors"
+WRITER_DCP = "dcp"
+WRITER_FSSPEC = "fsspec"
+WRITER_OTHER = "other"
+WRITER_KINDS = (WRITER_TORCH_SAVE, WRITER_SAFETENSORS, WRITER_DCP, WRITER_FSSPEC)
+
 REJECT_REASONS = (REJECT_MALFORMED, REJECT_OVERSIZED, REJECT_UNKNOWN_VERSION,
                   REJECT_INCOMPLETE, REJECT_TRUNCATED, REJECT_PID_MISMATCH,
                   REJECT_RATE_LIMITED)
@@ -232,7 +246,8 @@ _WRITER_OPTIONAL = tuple(_WRITER_TYPES.items())[2:]
 
 _COMMON = (("v", _INT), ("type", _STR)) + _WRITER_ID
 _WRITE = (("seq", _INT), ("path", _STR), ("wall", _NUM), ("mono", _NUM))
-_WRITE_OPTIONAL = _WRITER_OPTIONAL + (("site", _OPT_STR), ("func", _OPT_STR))
+_WRITE_OPTIONAL = _WRITER_OPTIONAL + (("site", _OPT_STR), ("func", _OPT_STR),
+                                       ("writer", _OPT_STR))
 _END = (("start_wall", _NUM), ("start_mono", _NUM), ("outcome", _STR))
 _END_OPTIONAL = (("bytes", _OPT_INT),)
 _DROPPED = (("count", _INT),)

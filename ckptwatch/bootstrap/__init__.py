@@ -1,4 +1,5 @@
-"""Zero-code installation: patch torch.save now, or as soon as torch is imported.
+"""Zero-code installation: patch torch.save now, or as soon as torch is imported; the other
+checkpoint writers (safetensors, DCP, fsspec: ckptwatch/writers) likewise.
 
 `ckptwatch run` puts this directory on PYTHONPATH, so Python's site module imports our
 sitecustomize.py at start-up in every Python process of the job (torchrun workers included),
@@ -31,6 +32,7 @@ def install() -> bool:
     register the post-import hook that patches it as soon as torch is, and return False."""
     if paths.disabled():
         return False
+    _install_writers()
     # The hook is imported only once torch is: a process without torch never pays for it.
     if "torch" in sys.modules:
         from ckptwatch import hook
@@ -38,6 +40,16 @@ def install() -> bool:
             return hook.install()
     watch_torch_import()
     return False
+
+
+def _install_writers() -> None:
+    """The other checkpoint writers (ckptwatch/writers): patched now if their library is
+    imported, else as soon as it is. Costs a process that never imports them one finder."""
+    try:
+        from ckptwatch import writers
+        writers.install()
+    except Exception:
+        pass
 
 
 def initialize() -> None:

@@ -46,6 +46,17 @@ def _site(w: Write) -> str:
     return w.site or "?"
 
 
+def writer_kinds(c: Collision) -> list:
+    """The libraries that wrote, when a hook said which (events' `writer`): a hook write
+    that does not say went through torch.save. Empty when no write says (torch.save only,
+    or the filesystem's writes), so a plain torch.save report reads as it always did."""
+    if all(w.writer_kind is None for w in c.writes):
+        return []
+    kinds = {w.writer_kind or ("torch.save" if w.source == "hook" else None)
+             for w in c.writes}
+    return sorted(clean(kind) for kind in kinds if kind is not None)
+
+
 def _who(w: Write) -> str:
     return f"{clean(w.writer.label)} (pid {w.writer.pid})"
 
@@ -110,6 +121,9 @@ def render_collision(c: Collision, width: int = 80) -> list:
                           "bytes of every writer", width)
     else:
         lines += wrapped("last write: ", f"{_who(last)}, its bytes are on disk", width)
+    kinds = writer_kinds(c)
+    if kinds:
+        lines += wrapped("written with: ", ", ".join(kinds), width)
     sites = call_sites(c)
     if sites:
         lines += wrapped("call site: " if len(sites) == 1 else "call sites: ",

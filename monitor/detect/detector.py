@@ -36,7 +36,7 @@ from typing import Callable
 
 from monitor.detect import grouping
 from monitor.detect.grouping import DEFAULT_MAX_HOLD, Grouping
-from monitor.detect.model import SOURCE_HOOK
+from monitor.detect.model import SOURCE_HOOK, writer_kind_of
 from monitor.detect.pairing import MAX_OPEN_PER_PATH, SCAN_INTERVAL, OpenWrites
 from monitor.detect.remote import RemoteWrites, remote_entry
 from monitor.detect.tracked import INF, Entry, PathState
@@ -209,6 +209,8 @@ class Detector:
         entry = Entry(self._open.writer(event), event["path"], event["seq"], event["wall"],
                       event["mono"], event.get("site"), event.get("func"), next(self._order),
                       max(event["mono"], now), event.get("source", SOURCE_HOOK))
+        if "writer" in event:
+            entry.writer_kind = writer_kind_of(event)
         state.insert(entry)
         if grouping.overfull(state):
             self._update(state, now, out)
@@ -230,6 +232,8 @@ class Detector:
                           event["start_wall"], event["start_mono"], event.get("site"),
                           event.get("func"), next(self._order), now,
                           event.get("source", SOURCE_HOOK))
+            if "writer" in event:
+                entry.writer_kind = writer_kind_of(event)
             state.insert(entry)
         else:
             self._open.closed(entry)

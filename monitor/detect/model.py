@@ -13,13 +13,14 @@ from dataclasses import dataclass, field
 from operator import itemgetter
 from typing import Any, Mapping
 
-from ckptwatch.events import WRITER_FIELDS
+from ckptwatch.events import WRITER_FIELDS, WRITER_KINDS, WRITER_OTHER
 from ckptwatch.jobrun import job_run
 
 KIND_CONCURRENT = "concurrent"
 KIND_REDUNDANT = "redundant"
 SCOPE_NODE = "node"
 SCOPE_JOB = "job"           # the collision includes writes of other nodes, learnt via the store
+_WRITER_KINDS = frozenset(WRITER_KINDS)
 SOURCE_HOOK = "hook"
 SOURCE_FS = "fs"
 SOURCE_JOB = "job"          # a write of another node, reported by a local hook's job scope
@@ -118,12 +119,16 @@ class Write:
     # For a remote write (source "job"): the pid of the local process whose job scope reported
     # it. What it says about the remote writer is that process's word, not the kernel's.
     reporter: int | None = None
+    # The library that wrote (ckptwatch.events.WRITER_KINDS, or WRITER_OTHER for a value this
+    # agent does not know). None: not said -- a hook write then went through torch.save (the
+    # torch.save hook omits the field), a filesystem write is any writer's.
+    writer_kind: str | None = None
 
     @classmethod
     def of(cls, writer: Writer, path: str, seq: int, start_wall: float, start_mono: float,
            end_wall: float | None, end_mono: float | None, bytes: int | None,  # noqa: A002
            outcome: str | None, site: str | None, func: str | None, source: str,
-           reporter: int | None) -> "Write":
+           reporter: int | None, writer_kind: str | None = None) -> "Write":
         """Write(...) with every field given, in order: the same value, built ~3x faster.
         The detector builds one per finished save, and a frozen dataclass's __init__ stores
         each of its 13 fields through object.__setattr__; this stores the instance's
@@ -134,7 +139,7 @@ class Write:
             "writer": writer, "path": path, "seq": seq, "start_wall": start_wall,
             "start_mono": start_mono, "end_wall": end_wall, "end_mono": end_mono,
             "bytes": bytes, "outcome": outcome, "site": site, "func": func, "source": source,
-            "reporter": reporter})
+            "reporter": reporter, "writer_kind": writer_kind})
         return write
 
     @property
@@ -162,6 +167,8 @@ class Write:
                "func": self.func, "source": self.source}
         if self.reporter is not None:
             rec["reported_by"] = self.reporter
+        if self.writer_kind is not None:
+            rec["writer"] = self.writer_kind
         return rec
 
     @classmethod
@@ -177,7 +184,17 @@ class Write:
                    end_mono=(start_wall + duration) if duration is not None else end_wall,
                    bytes=rec.get("bytes"), outcome=rec.get("outcome"), site=rec.get("site"),
                    func=rec.get("func"), source=rec.get("source", SOURCE_HOOK),
-                   reporter=rec.get("reported_by"))
+                   reporter=rec.get("reported_by"), writer_kind=writer_kind_of(rec))
+
+
+def writer_kind_of(event: dict) -> str | None:
+    """An event's or record's `writer`, bounded to the known kinds: None if absent or not a
+    string, a known kind as itself, any other string as WRITER_OTHER (a sender may say
+    anything; it never becomes a label, a record or a line of text as sent)."""
+    kind = event.get("writer")
+    if kind is None or type(kind) is not str:
+        return None
+    return kind if kind in _WRITER_KINDS else WRITER_OTHER
 
 
 @dataclass(frozen=True)

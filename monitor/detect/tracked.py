@@ -18,13 +18,15 @@ class Entry:
 
     __slots__ = ("writer", "path", "seq", "start_wall", "start_mono", "end_wall", "end_mono",
                  "bytes", "outcome", "site", "func", "order", "seen_at", "done_at",
-                 "dropped", "source", "seen_by", "reported", "reporter", "stop", "proc")
+                 "dropped", "source", "seen_by", "reported", "reporter", "stop", "proc",
+                 "writer_kind")
 
     def __init__(self, writer: Writer, path: str, seq: int, start_wall: float,
                  start_mono: float, site, func, order: int, seen_at: float,
                  source: str = SOURCE_HOOK):
         self.source = source            # who reported this write: "hook", "fs" or "job"
         self.reporter = None            # source "job": the local pid that reported it
+        self.writer_kind = None         # the event's `writer`, bounded (model.writer_kind_of)
         # Every source that saw it (see Detector.mark_source): a frozenset shared by all the
         # entries of one source until another source sees one (a set per write cost 216
         # bytes each, and the collector's time).
@@ -70,10 +72,10 @@ class Entry:
         if self.end_mono is None:
             return Write.of(self.writer, self.path, self.seq, self.start_wall,
                             self.start_mono, None, None, None, None, self.site, self.func,
-                            self.source, None)
+                            self.source, None, self.writer_kind)
         return Write.of(self.writer, self.path, self.seq, self.start_wall, self.start_mono,
                         self.end_wall, self.end_mono, self.bytes, self.outcome, self.site,
-                        self.func, self.source, self.reporter)
+                        self.func, self.source, self.reporter, self.writer_kind)
 
 
 def sort_key(entry: Entry) -> tuple:

@@ -52,6 +52,8 @@ _DUMPS = {"pickle.dump", "_pickle.dump", "json.dump", "cloudpickle.dump", "dill.
 _NUMPY = {"numpy.save", "numpy.savez", "numpy.savez_compressed"}
 _OPENERS = {"open", "io.open", "builtins.open", "gzip.open", "bz2.open", "lzma.open"}
 _DCP = re.compile(r"torch\.distributed\.checkpoint(\.\w+)*\.(save|save_state_dict|async_save)$")
+_UNIQUE_NAMES = {"mkdtemp", "mkstemp", "NamedTemporaryFile", "TemporaryDirectory", "uuid4",
+                 "uuid1", "token_hex"}
 _GUARD_DECORATORS = {"rank_zero_only": ONE, "on_main_process": ONE,
                      "on_local_main_process": NODE}
 
@@ -432,8 +434,22 @@ class _Walker:
         receiver = (guards.last_name(call.func.value) or "") if attr else ""
         recv = receiver.lower()
         if _DCP.match(qual):
-            return _Write(call, qual.split(".")[-1] + " (torch.distributed.checkpoint)", level,
-                          collective=True)
+            what = qual.split(".")[-1] + " (torch.distributed.checkpoint)"
+            if _no_dist(call):
+                # no_dist=True: no collective, this process writes the whole set (shards and
+                # .metadata) itself; on several ranks they all write the same files.
+                return _Write(call, what + " with no_dist=True", level,
+                              self.path_level(_arg(call, 99, "checkpoint_id")))
+            return _Write(call, what, level, collective=True)
+        if (attr == "save_checkpoint" and "checkpoint_io" in recv
+                and self.unit.name != "save_checkpoint"):
+            # (A save_checkpoint that hands on to another checkpoint_io is a plugin wrapper:
+            # whoever calls it guards it.)
+            # Lightning's CheckpointIO writes the file it is given on whichever process calls
+            # it (the Trainer calls it on global rank 0 only; a user calling it directly must
+            # guard it the same way).
+            return self.file_write(call, f"{receiver}.save_checkpoint", level,
+                                   _arg(call, 1, "path"))
         if attr == "save_checkpoint" and ("engine" in recv or recv == "trainer"
                                           or receiver in self.m.engines):
             return _Write(call, f"{receiver}.save_checkpoint", level, collective=True)
@@ -507,6 +523,8 @@ class _Walker:
                    for v in values) and bool(values)
 
     def path_level(self, path) -> int:
+        if self._unique_per_process(path):
+            return ONE
         kinds = set()
         self._path_kinds(path, kinds, 0, set())
         if guards.RANK in kinds or {guards.LOCAL, guards.NODE_INDEX} <= kinds:
@@ -514,6 +532,17 @@ class _Walker:
         if guards.LOCAL in kinds:
             return NODE
         return ALL
+
+    def _unique_per_process(self, path) -> bool:
+        """A path made by tempfile.mkdtemp()/mkstemp() or uuid: each process its own."""
+        values = [path] if path is not None else []
+        if isinstance(path, ast.Name):
+            values = self.resolve(path) or values
+        for value in values:
+            for node in ast.walk(value):
+                if isinstance(node, ast.Call) and guards.last_name(node.func) in _UNIQUE_NAMES:
+                    return True
+        return False
 
     def _path_kinds(self, expr, kinds, depth, seen) -> None:
         if expr is None or depth > 4:
@@ -553,6 +582,14 @@ def _is_open(call: ast.AST, module: _Module) -> bool:
         return False
     qual = module.qualified(call.func) or ""
     return qual in _OPENERS or (isinstance(call.func, ast.Attribute) and call.func.attr == "open")
+
+
+def _no_dist(call: ast.Call) -> bool:
+    for kw in call.keywords:
+        if kw.arg == "no_dist":
+            # Only a literal True: DCP's own wrappers pass their caller's no_dist through.
+            return isinstance(kw.value, ast.Constant) and kw.value.value is True
+    return False
 
 
 def _open_args(call: ast.Call, module: _Module):

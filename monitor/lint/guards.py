@@ -36,6 +36,9 @@ RANK_ZERO_FLAGS = frozenset({
     "is_master", "master_process", "is_master_process", "is_main", "main_process",
     "is_rank_zero", "is_rank0", "rank_zero", "rank0", "is_chief", "is_master_ordinal",
     "is_main_rank", "is_zero_rank", "global_zero",
+    # transformers' save_pretrained (5.x): `save_on_this_rank = self.should_save_on_this_rank(
+    # is_main_process)`, which also requires torch.distributed rank 0 -- a global guard.
+    "save_on_this_rank", "should_save_on_this_rank",
 })
 # ...on one process per node...
 LOCAL_ZERO_FLAGS = frozenset({

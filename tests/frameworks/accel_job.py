@@ -3,6 +3,9 @@
     --save state     accelerator.save_state(DIR/state) — correct: accelerate guards its saves
     --save unguarded every process calls torch.save(unwrap_model(model).state_dict(), DIR/model.pt)
                      without `if accelerator.is_main_process` — the classic bug
+    --save state-each-node
+                     ProjectConfiguration(save_on_each_node=True), then save_state: the local
+                     main process of every node saves (meant for node-local storage)
     --save unguarded-safetensors
                      the same bug through safetensors.torch.save_file (which is what
                      transformers' save_pretrained and accelerate's save_model use)
@@ -17,9 +20,12 @@ from accelerate import Accelerator
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
-    parser.add_argument("--save", choices=("state", "unguarded", "unguarded-safetensors"), required=True)
+    parser.add_argument("--save", choices=("state", "state-each-node", "unguarded",
+                                                   "unguarded-safetensors"), required=True)
     args = parser.parse_args()
-    accelerator = Accelerator(cpu=True)
+    from accelerate.utils import ProjectConfiguration
+    accelerator = Accelerator(cpu=True, project_config=ProjectConfiguration(
+        save_on_each_node=args.save == "state-each-node"))
     # 16 MB of float32 weights: each save takes tens of ms, so after the barrier the two
     # ranks' writes of one file overlap even on a loaded machine.
     model = torch.nn.Sequential(*(torch.nn.Linear(1024, 1024) for _ in range(4)))
@@ -33,7 +39,7 @@ def main() -> None:
         optimizer.step()
         optimizer.zero_grad()
     accelerator.wait_for_everyone()
-    if args.save == "state":
+    if args.save in ("state", "state-each-node"):
         accelerator.save_state(os.path.join(args.out, "state"))
     elif args.save == "unguarded":
         torch.save(accelerator.unwrap_model(model).state_dict(),
