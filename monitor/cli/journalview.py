@@ -165,15 +165,19 @@ def summarize(journal_path, summary: JournalSummary | None = None, details: bool
             summary.collisions.append(collision)
             for w in writes if details else ():
                 summary._keep_write(w)
+        elif kind == "verification":
+            # Kept without details too: the table tells what the agent found in the file a
+            # collision wrote (monitor/cli/report.py).
+            if not isinstance(record.get("path", ""), str):
+                summary.malformed += 1
+            elif record.get("result") in BAD_VERDICTS:
+                summary._keep(summary.verdicts, record)
         elif not details:
             continue
         elif not isinstance(record.get("path", ""), str):
             summary.malformed += 1
         elif kind in FINDING_TYPES:
             summary._keep(summary.findings, record)
-        elif kind == "verification":
-            if record.get("result") in BAD_VERDICTS:
-                summary._keep(summary.verdicts, record)
         else:
             summary._keep(summary.others, record)
     summary.malformed += stats.malformed

@@ -20,10 +20,12 @@ class Checks:
     """
 
     def __init__(self, enabled: bool = True, quiet: float = 2.0, max_paths: int = 10000,
-                 deep_max_bytes: int = 0, max_rate: float | None = None, clock=time.monotonic):
+                 deep_max_bytes: int = 0, max_rate: float | None = None, clock=time.monotonic,
+                 on_verdict=None):
         self.enabled = enabled
         self.schedule = VerifySchedule(quiet=quiet, max_paths=max_paths)
-        self.verifier = Verifier(deep_max_bytes=deep_max_bytes, max_rate=max_rate or None)
+        self.verifier = Verifier(deep_max_bytes=deep_max_bytes, max_rate=max_rate or None,
+                                 on_verdict=on_verdict)
         self._clock = clock
 
     def start(self) -> None:
