@@ -40,6 +40,7 @@ failure of our own (counted in stats()["errors"]) load silently.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import logging
@@ -242,14 +243,10 @@ def judge(path: str, wait: float | None = None) -> FileVerdict:
         st = os.stat(path)
     except OSError:
         return verdicts.UNKNOWN_VERDICT          # the load itself says why
-    # A directory (DCP) is judged by its .metadata, which the save writes last.
-    subject = os.path.join(path, ".metadata") if _is_dir(st) else path
-    if subject is not path:
-        try:
-            st = os.stat(subject)
-        except OSError:
-            return verdicts.UNKNOWN_VERDICT
-    stored = stored_verdict(subject, st)
+    if _is_dir(st):
+        stored = _stored_in_directory(path)
+    else:
+        stored = stored_verdict(path, st)
     if stored is not None:
         _counters["from_xattr"] += 1
         return stored
@@ -258,7 +255,52 @@ def judge(path: str, wait: float | None = None) -> FileVerdict:
         _counters["no_answer"] += 1
         return verdicts.UNKNOWN_VERDICT
     _counters["answered"] += 1
+    if _is_dir(st):
+        # About the directory's files (the book's worst of them): each carried its own
+        # identity when it was stored; a query answer for a directory has none to compare.
+        return answer if answer.state in (verdicts.WRITING, verdicts.COLLISION,
+                                          verdicts.CORRUPT) else verdicts.UNKNOWN_VERDICT
     return current(answer, st)
+
+
+MAX_MEMBERS = 4096            # files of a checkpoint directory looked at (a DCP load)
+# Which of several files' verdicts a directory's load is told: the worst.
+_RANK = {verdicts.CORRUPT: 4, verdicts.WRITING: 3, verdicts.COLLISION: 2, verdicts.OK: 1,
+         verdicts.UNKNOWN: 0}
+
+
+def _severity(v: FileVerdict) -> tuple:
+    return (_RANK[v.state], bool(v.collision))
+
+
+def _stored_in_directory(path: str) -> FileVerdict | None:
+    """A checkpoint directory (DCP: shards and .metadata) is as good as its worst file: the
+    verdicts stored with its files, each about its file as it is now. None when no file
+    carries one; a file without one does not make the directory unknown (the agent may not
+    have verified it), so a directory is never called ok this way, only reported."""
+    worst = None
+    try:
+        with os.scandir(path) as entries:
+            for n, entry in enumerate(entries):
+                if n >= MAX_MEMBERS:
+                    break
+                if not entry.is_file(follow_symlinks=False):
+                    continue
+                try:
+                    verdict = stored_verdict(entry.path, entry.stat(follow_symlinks=False))
+                except OSError:
+                    continue
+                if verdict is not None and (worst is None
+                                            or _severity(verdict) > _severity(worst)):
+                    worst = verdict
+                    if verdict.state == verdicts.CORRUPT:
+                        worst = dataclasses.replace(
+                            verdict, reason=f"{entry.name}: {verdict.reason}"[:verdicts.MAX_TEXT])
+    except OSError:
+        return None
+    if worst is None or not worst.worth_saying:
+        return None
+    return worst
 
 
 def _is_dir(st) -> bool:

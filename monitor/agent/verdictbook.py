@@ -155,18 +155,45 @@ class VerdictBook:
         verdict = verdicts.UNKNOWN_VERDICT
         with self._lock:
             for name in (query.get("path"), query.get("alias")):
-                entry = self._entries.get(name) if isinstance(name, str) else None
-                if entry is None:
+                if not isinstance(name, str):
                     continue
-                if uid != 0 and uid not in entry.uids:
-                    break                          # not this user's file: unknown
-                verdict = self._known(name, entry)
+                entry = self._entries.get(name)
+                if entry is None:
+                    found = self._known_directory(name, uid)
+                    if found is not None:
+                        verdict = found
+                        break
+                    continue
+                if uid == 0 or uid in entry.uids:  # else not this user's file: unknown
+                    verdict = self._known(name, entry)
                 break
         if verdict.state == verdicts.UNKNOWN:
             self.counts["answered_unknown"] += 1
         from ckptwatch.events import HEADER
         payload = verdicts.encode(verdict, type=ANSWER_TYPE, qid=query.get("qid"))
         return HEADER.pack(len(payload)) + payload
+
+    def _known_directory(self, directory: str, uid) -> FileVerdict | None:
+        """A checkpoint directory (a DCP load): the worst of what is known about the files
+        directly in it that this user wrote; None when none is known. One pass over the
+        table (at most max_paths entries), under the lock."""
+        prefix = directory.rstrip("/") + "/"
+        worst, worst_path, rank = None, "", 0
+        for path, entry in self._entries.items():
+            if (not path.startswith(prefix) or "/" in path[len(prefix):]
+                    or (uid != 0 and uid not in entry.uids)):
+                continue
+            known = self._known(path, entry)
+            r = _DIRECTORY_RANK.get(known.state, 0)
+            if r > rank:
+                worst, worst_path, rank = known, path, r
+        if worst is None:
+            return None
+        # Identities are per file: the guard cannot compare them with the directory.
+        return FileVerdict(worst.state, worst.cause,
+                           f"{os.path.basename(worst_path)}: {worst.reason}" if worst.reason
+                           else "",
+                           worst.collision, worst.writers, worst.last_ok)
 
     def _known(self, path: str, entry: _Entry) -> FileVerdict:
         last_ok = self._last_ok.get(os.path.dirname(path), "")
@@ -181,6 +208,9 @@ class VerdictBook:
             return FileVerdict(verdicts.COLLISION, collision=entry.collision,
                                writers=entry.writers, last_ok=last_ok)
         return verdicts.UNKNOWN_VERDICT
+
+
+_DIRECTORY_RANK = {verdicts.CORRUPT: 3, verdicts.WRITING: 2, verdicts.COLLISION: 1}
 
 
 def _regular(st) -> bool:

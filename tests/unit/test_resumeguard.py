@@ -334,3 +334,52 @@ def test_wait_from_env():
     assert resumeguard.wait_from_env({resumeguard.WAIT_ENV: "20"}) == 0.02
     assert resumeguard.wait_from_env({resumeguard.WAIT_ENV: "1e9"}) == resumeguard.MAX_WAIT
     assert resumeguard.wait_from_env({resumeguard.WAIT_ENV: "x"}) == resumeguard.DEFAULT_WAIT
+
+
+# ---- safetensors and torch.distributed.checkpoint loads ----------------------------------
+
+def test_safetensors_load_file_and_safe_open(guard, tmp_path, caplog):
+    st_torch = pytest.importorskip("safetensors.torch")
+    import safetensors
+    resumeguard.install(strict=False, wait=0.005)     # now that safetensors is imported
+    path = str(tmp_path / "model.safetensors")
+    st_torch.save_file({"w": torch.arange(4.0)}, path)
+    tag(path, verdicts.CORRUPT, cause="truncated")
+    with caplog.at_level(logging.WARNING, logger="ckptwatch"):
+        assert torch.equal(st_torch.load_file(path)["w"], torch.arange(4.0))
+    (line,) = lines(caplog)
+    assert path in line and "is corrupt (truncated" in line
+    resumeguard.install(strict=True, wait=0.005)
+    with pytest.raises(resumeguard.CheckpointRefused):
+        st_torch.load_file(path)
+    with pytest.raises(resumeguard.CheckpointRefused):
+        safetensors.safe_open(path, framework="pt")
+    tag(path, verdicts.OK)
+    with safetensors.safe_open(path, framework="pt") as f:      # still the real thing
+        assert torch.equal(f.get_tensor("w"), torch.arange(4.0))
+
+
+def test_a_dcp_directory_is_as_good_as_its_worst_file(guard, tmp_path, caplog):
+    import torch.distributed.checkpoint as dcp
+    resumeguard.install(strict=False, wait=0.005)
+    directory = str(tmp_path / "step-9")
+    dcp.save({"w": torch.arange(6.0)}, checkpoint_id=directory, no_dist=True)
+    shards = sorted(f for f in os.listdir(directory) if f.endswith(".distcp"))
+    assert shards
+    tag(os.path.join(directory, ".metadata"), verdicts.OK)
+    target = {"w": torch.zeros(6)}
+    with caplog.at_level(logging.DEBUG, logger="ckptwatch"):
+        dcp.load(target, checkpoint_id=directory, no_dist=True)
+    assert lines(caplog) == [] and torch.equal(target["w"], torch.arange(6.0))
+    tag(os.path.join(directory, shards[0]), verdicts.CORRUPT, cause="torn",
+        reason="record 3 overlaps record 4")
+    with caplog.at_level(logging.WARNING, logger="ckptwatch"):
+        dcp.load(target, checkpoint_id=directory, no_dist=True)
+    (line,) = lines(caplog)
+    assert directory in line and f"{shards[0]}: record 3 overlaps" in line
+    resumeguard.install(strict=True, wait=0.005)
+    with pytest.raises(resumeguard.CheckpointRefused):
+        dcp.load(target, checkpoint_id=directory, no_dist=True)
+    reader = dcp.FileSystemReader(directory)
+    with pytest.raises(resumeguard.CheckpointRefused):
+        dcp.load(target, storage_reader=reader, no_dist=True)

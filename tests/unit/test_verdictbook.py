@@ -146,3 +146,22 @@ def test_the_guard_asks_the_real_ingest_server(tmp_path, sockdir, no_thread_leak
         assert book.counts["queries"] == 1 and not rejected
     finally:
         server.stop()
+
+
+def test_a_directory_is_answered_with_its_worst_file(tmp_path):
+    book = VerdictBook()
+    directory = tmp_path / "step-9"
+    directory.mkdir()
+    shard, meta = file(directory, "__0_0.distcp"), file(directory, ".metadata")
+    other = file(tmp_path, "elsewhere.pt")
+    for path in (shard, meta, other):
+        book.write_started(path, ("n1", 1, hash(path)), ME.uid)
+        book.write_ended(path, ("n1", 1, hash(path)))
+    book.stamp(meta, os.stat(meta), verification(meta, "ok", ""), owned=True)
+    book.stamp(other, os.stat(other), verification(other), owned=True)
+    assert ask(book, str(directory)).state == verdicts.UNKNOWN    # nothing bad in it
+    book.stamp(shard, os.stat(shard), verification(shard), owned=True)
+    known = ask(book, str(directory))
+    assert known.state == verdicts.CORRUPT and known.reason.startswith("__0_0.distcp: ")
+    assert known.identity is None
+    assert ask(book, str(directory), OTHER).state == verdicts.UNKNOWN
