@@ -261,3 +261,29 @@ def test_a_file_replaced_after_its_verdict_is_not_judged_by_it(raced):
     assert second.returncode == 0 and "ckptwatch: " not in second.stderr, \
         second.stderr[-3000:]
     assert digests(second.stdout) == {digest(ok)}
+
+
+@pytest.mark.parametrize("mode", ["inotify", "polling"])
+def test_storing_the_verdict_is_not_a_write(mode):
+    """The xattr the agent sets is seen by its own watcher (inotify IN_ATTRIB, fanotify, the
+    poller's stat): it must not become a write, a size finding or a collision."""
+    workdir = short_tmpdir("cwv")
+    root = os.path.join(workdir, "ckpt")
+    os.makedirs(root)
+    try:
+        with start_agent(workdir, "--watch.path", root, "--watch.mode", mode,
+                         "--watch.poll-interval", "0.2", "--verify.quiet", "0.5") as agent:
+            path = os.path.join(root, "last.pt")
+            saver = f"import torch; torch.save({{'w': torch.ones(1024)}}, {path!r})"
+            proc = subprocess.run([sys.executable, "-m", "monitor.cli", "run", "--socket",
+                                   agent.socket, "--", sys.executable, "-c", saver],
+                                  env=_env(), cwd=REPO_ROOT, capture_output=True, text=True,
+                                  timeout=120)
+            assert proc.returncode == 0, proc.stderr[-2000:]
+            wait_for(lambda: tagged(path), timeout=60, message=lambda: agent.log)
+            assert tagged(path).state == verdicts.OK
+            agent.wait_judged()
+            records = [r for r in agent.journal_records() if r.get("path") == path]
+            assert [r["type"] for r in records] == ["write"], records
+    finally:
+        remove_tree(workdir)
