@@ -16,10 +16,13 @@ value; before it calls the original, it learns what is known about the file (jud
    identity it names (ckptwatch.verdicts: inode, size, mtime_ns) is the file's now.
 2. Otherwise a query to the node's agent on a connection of its own (never the emitter's: a
    load must not wait behind a save's frames, and the emitter's sender thread owns that one's
-   reads): one "query" frame, then at most WAIT (CKPTWATCH_LOAD_WAIT_MS, default 5 ms, from
-   before the connect) for its "verdict" answer. The connect never waits (a Unix socket
-   connect completes at once or fails). This is what knows the live state: a save of the
-   path still running, a collision not verified yet. No answer in time: unknown.
+   reads): one "query" frame, and its "verdict" answer. This is what knows the live state: a
+   save of the path still running, a collision not verified yet. The connect never waits (a
+   Unix socket connect completes at once or fails). The answer is read within WAIT
+   (CKPTWATCH_LOAD_WAIT_MS, default 5 ms, counted from before the connect) -- under strict
+   before the load runs; otherwise after it, so the load's own time covers the agent's (a
+   large checkpoint takes seconds) and the line still comes before the load returns: the
+   answer is then taken if it came within WAIT or during the load. No answer: unknown.
 
 Whatever the agent or a file's tag says is untrusted: ckptwatch.verdicts.decode bounds and
 validates it, the answer must carry our query's id, at most MAX_READ bytes are read, and every
@@ -28,7 +31,7 @@ text is escaped before it is printed. Nothing in an answer is opened or followed
 What is done with it (CKPTWATCH_POLICY, read at install):
 - by default, and under observe / warn / atomic: a file that is corrupt, written by a
   collision, or still being written gets ONE line on the "ckptwatch" logger (WARNING) before
-  the load runs: which file, what was found, which collision wrote it, what to do (the last
+  the load returns (or raises; before it runs when the stored verdict says so): which file, what was found, which collision wrote it, what to do (the last
   checkpoint of that directory verified ok, when the agent knows one). Without logging
   configured Python prints it on stderr. Once per file version and finding. The load then runs
   exactly as without ckptwatch: its result, its exceptions, its arguments are untouched.
@@ -44,6 +47,7 @@ import dataclasses
 import functools
 import itertools
 import logging
+import math
 import os
 import select
 import socket
@@ -158,29 +162,59 @@ def _wrapper_for(original, kind: str):
 
     @functools.wraps(original)
     def load(*args, **kwargs):
-        if _active and not getattr(_local, "busy", False):
-            _local.busy = True      # a load inside a load (DCP reading shards) is not checked
-            try:
-                _guard(kind, args, kwargs)
-            finally:
-                _local.busy = False
-        return original(*args, **kwargs)
+        if not _active or getattr(_local, "busy", False):
+            return original(*args, **kwargs)
+        _local.busy = True          # our own work is never guarded again
+        try:
+            pending = _before(kind, args, kwargs)   # strict: may raise CheckpointRefused
+        finally:
+            _local.busy = False
+        if pending is None:
+            return original(*args, **kwargs)
+        try:
+            return original(*args, **kwargs)
+        finally:
+            _after(pending)         # the line comes before the load returns (or raises)
 
     setattr(load, MARKER, original)
     _wrappers.append(load)
     return load
 
 
-def _guard(kind: str, args, kwargs) -> None:
-    """Judge the load's file and report (or, strict, refuse) it. Raises CheckpointRefused
-    only; our own failures are counted."""
+def _before(kind: str, args, kwargs) -> "Pending | None":
+    """Before the original load: judge its file. What is known now (a stored verdict, no
+    agent) is said now; strict waits for the agent's answer too, and raises CheckpointRefused
+    for a refused file. Otherwise the agent's answer is read after the load (the Pending):
+    the load's own time covers the agent's, and the line still comes before the load
+    returns. Our own failures are counted, never raised."""
     try:
         path = _target(kind, args, kwargs)
         if path is None:
-            return
-        verdict = judge(path)
-        if not verdict.worth_saying:
-            return
+            return None
+        pending = begin(path)
+        if not (_strict or pending.done):
+            return pending
+        verdict = pending.finish()
+    except Exception:
+        _counters["errors"] += 1
+        return None
+    _say(path, verdict)
+    return None
+
+
+def _after(pending: "Pending") -> None:
+    try:
+        verdict = pending.finish(not_before=time.monotonic())
+        _say(pending.path, verdict)
+    except Exception:
+        _counters["errors"] += 1
+
+
+def _say(path: str, verdict: FileVerdict) -> None:
+    """Report (or, strict, refuse) a load of `path`. Raises CheckpointRefused only."""
+    if not verdict.worth_saying:
+        return
+    try:
         message = "ckptwatch: " + verdicts.describe(path, verdict)
     except Exception:
         _counters["errors"] += 1
@@ -236,25 +270,77 @@ def _target(kind: str, args, kwargs) -> str | None:
 # ---- what is known about a file --------------------------------------------------------------
 
 def judge(path: str, wait: float | None = None) -> FileVerdict:
-    """What is known about the file at `path` now (module doc). Never raises; unknown when
-    nothing is known or the file cannot be looked at."""
+    """What is known about the file at `path` now (module doc), waiting at most `wait`
+    (default: the configured bound) for the agent. Never raises; unknown when nothing is
+    known or the file cannot be looked at."""
+    return begin(path, wait).finish()
+
+
+class Pending:
+    """A judgement under way: what the file says, or a query sent to the agent whose answer
+    is read by finish(). Never raises."""
+
+    def __init__(self, path: str, wait: float):
+        self.path = path
+        self.started = time.monotonic()
+        self.wait = wait
+        self.st = None
+        self.verdict: FileVerdict | None = None     # known already: done
+        self.query = None                           # (socket, qid) while an answer may come
+
+    @property
+    def done(self) -> bool:
+        return self.verdict is not None
+
+    def finish(self, not_before: float | None = None) -> FileVerdict:
+        """The verdict: at once when known, else the agent's answer, waited for until
+        `wait` after begin() -- or, when later, until `not_before` gives it one more look."""
+        if self.verdict is not None:
+            return self.verdict
+        answer = None
+        if self.query is not None:
+            sock, qid = self.query
+            self.query = None
+            deadline = self.started + self.wait
+            if not_before is not None and not_before > deadline:
+                deadline = not_before
+            try:
+                answer = _read_answer(sock, qid, deadline)
+            except (OSError, events.EventError, ValueError):
+                answer = None
+            finally:
+                sock.close()
+        if answer is None:
+            _counters["no_answer"] += 1
+            self.verdict = verdicts.UNKNOWN_VERDICT
+        else:
+            _counters["answered"] += 1
+            self.verdict = _answered(answer, self.st)
+        return self.verdict
+
+
+def begin(path: str, wait: float | None = None) -> Pending:
+    """Start judging `path`: the verdict stored with it, else a query to the agent."""
     _counters["checked"] += 1
+    pending = Pending(path, _wait if wait is None else wait)
     try:
-        st = os.stat(path)
+        pending.st = st = os.stat(path)
     except OSError:
-        return verdicts.UNKNOWN_VERDICT          # the load itself says why
-    if _is_dir(st):
-        stored = _stored_in_directory(path)
-    else:
-        stored = stored_verdict(path, st)
+        pending.verdict = verdicts.UNKNOWN_VERDICT      # the load itself says why
+        return pending
+    stored = _stored_in_directory(path) if _is_dir(st) else stored_verdict(path, st)
     if stored is not None:
         _counters["from_xattr"] += 1
-        return stored
-    answer = ask_agent(path, _wait if wait is None else wait)
-    if answer is None:
+        pending.verdict = stored
+        return pending
+    pending.query = _send_query(path)
+    if pending.query is None:
         _counters["no_answer"] += 1
-        return verdicts.UNKNOWN_VERDICT
-    _counters["answered"] += 1
+        pending.verdict = verdicts.UNKNOWN_VERDICT
+    return pending
+
+
+def _answered(answer: FileVerdict, st) -> FileVerdict:
     if _is_dir(st):
         # About the directory's files (the book's worst of them): each carried its own
         # identity when it was stored; a query answer for a directory has none to compare.
@@ -343,13 +429,29 @@ def ask_agent(path: str, wait: float, socket_path: str | None = None) -> FileVer
     one to this query. socket_path: this socket, used as given; else the emitter's choice
     (CKPTWATCH_SOCKET, or a trusted default socket)."""
     deadline = time.monotonic() + wait
+    query = _send_query(path, socket_path)
+    if query is None:
+        return None
+    sock, qid = query
+    try:
+        return _read_answer(sock, qid, deadline)
+    except (OSError, events.EventError, ValueError):
+        return None
+    finally:
+        sock.close()
+
+
+def _send_query(path: str, socket_path: str | None = None):
+    """(socket, qid) once the query frame is in the agent's socket; None when there is no
+    agent, no trusted socket, or no room. Never waits: the connect of a Unix stream socket
+    completes at once or fails (EAGAIN: the listener's backlog is full)."""
     sock_path, explicit = (socket_path, True) if socket_path else _socket_path()
     if sock_path is None:
         return None
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         sock.setblocking(False)
-        sock.connect(sock_path)           # at once, or EAGAIN (backlog full): no waiting
+        sock.connect(sock_path)
         if not explicit:
             from ckptwatch.emitter import _check_peer
             _check_peer(sock)
@@ -361,25 +463,26 @@ def ask_agent(path: str, wait: float, socket_path: str | None = None) -> FileVer
             query["alias"] = real
         frame = events.encode(query)
         if sock.send(frame, _NONBLOCKING) != len(frame):
-            return None                    # no room for one small frame: the agent is stuck
-        return _read_answer(sock, qid, deadline)
+            raise OSError("no room for the query")   # the agent is stuck: do not wait on it
     except (OSError, events.EventError, ValueError):
-        return None
-    finally:
         sock.close()
+        return None
+    return sock, qid
 
 
 def _read_answer(sock, qid: int, deadline: float) -> FileVerdict | None:
+    """Read the answer to query `qid` until `deadline` (at least one look, even when it has
+    passed already)."""
     reader = events.FrameReader(verdicts.MAX_BYTES)
     poller = select.poll()
     poller.register(sock, select.POLLIN)
     taken = 0
     while True:
         left = deadline - time.monotonic()
-        if left <= 0:
-            return None
-        if not poller.poll(max(1, int(left * 1000 + 0.999))):
-            continue                       # woke early or late: the deadline decides
+        if not poller.poll(max(0, math.ceil(left * 1000))):
+            if time.monotonic() >= deadline:
+                return None
+            continue                       # woke early: the deadline decides
         try:
             data = sock.recv(4096, socket.MSG_DONTWAIT)
         except (BlockingIOError, InterruptedError):

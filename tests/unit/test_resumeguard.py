@@ -383,3 +383,38 @@ def test_a_dcp_directory_is_as_good_as_its_worst_file(guard, tmp_path, caplog):
     reader = dcp.FileSystemReader(directory)
     with pytest.raises(resumeguard.CheckpointRefused):
         dcp.load(target, storage_reader=reader, no_dist=True)
+
+
+def test_warn_reads_the_agents_answer_after_the_load_and_before_it_returns(guard, ckpt,
+                                                                           fake_agent, caplog):
+    """The agent answers after the bound; under warn the answer is still taken if it came
+    while the file was loading (here: a load that lasts until the answer is in)."""
+    agent = fake_agent(lambda q: answer(q, state="corrupt", cause="torn",
+                                        identity=list(verdicts.identity_of(
+                                            os.stat(q["path"])))), delay=0.3)
+    original = torch.load.__ckptwatch_original__
+
+    def slow_load(*args, **kwargs):     # stands for a large checkpoint's load
+        from helpers import wait_for
+        wait_for(lambda: agent.held, timeout=10, message="the agent's answer")
+        return original(*args, **kwargs)
+
+    wrapped = resumeguard._wrapper_for(slow_load, "torch")
+    resumeguard.install(strict=False, wait=0.01)
+    with caplog.at_level(logging.WARNING, logger="ckptwatch"):
+        assert torch.equal(wrapped(ckpt)["w"], torch.arange(8.0))
+    (line,) = lines(caplog)
+    assert "is corrupt (torn" in line
+
+
+def test_warn_does_not_wait_for_a_slow_agent_after_a_quick_load(guard, ckpt, fake_agent,
+                                                                caplog):
+    fake_agent(lambda q: answer(q, state="corrupt", cause="torn",
+                                identity=list(verdicts.identity_of(os.stat(q["path"])))),
+               delay=1.0)
+    resumeguard.install(strict=False, wait=0.05)
+    with caplog.at_level(logging.DEBUG, logger="ckptwatch"):
+        started = time.monotonic()
+        torch.load(ckpt)
+        took = time.monotonic() - started
+    assert lines(caplog) == [] and took < 0.9, took
