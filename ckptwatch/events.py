@@ -130,6 +130,20 @@ notice, and a frame over the limit ends notice reading on that connection.
   others       list  at most MAX_NOTICE_OTHERS writers, each {"rank": int|null,
                      "pid": int|null, "node": str|null, "site": str|null}
   id           str|null  the collision's id in the agent's journal
+
+Queries (the resume guard, ckptwatch/resumeguard.py): a process about to load a checkpoint
+asks, on a short connection of its own, what the agent knows about the file. Added within
+version 1; an agent that predates it rejects the frame as "incomplete" and never answers (the
+guard waits a few ms at most).
+  v, type "query", node, pid   as in every event (pid checked like any other)
+  path         str   absolute path of the file (or DCP directory) to be loaded
+  alias        str|null  its real path (symbolic links resolved) when that differs
+  qid          int   the query's id, repeated in the answer
+The answer, the only frame sent on that connection: a FileVerdict (ckptwatch/verdicts.py:
+every field, the identity it is about, and the bounds the guard checks) with
+  type "verdict", qid int, v VERDICT version; at most ckptwatch.verdicts.MAX_BYTES.
+The agent answers a query only with what the asking process's own user wrote; anything else
+is answered "unknown" (docs/security.md).
 """
 from __future__ import annotations
 
@@ -253,6 +267,8 @@ _END_OPTIONAL = (("bytes", _OPT_INT),)
 _DROPPED = (("count", _INT),)
 _HELLO_OPTIONAL = (("ack", frozenset({bool, type(None)})),
                    ("notices", frozenset({bool, type(None)})))
+_QUERY = (("path", _STR), ("qid", _INT))
+_QUERY_OPTIONAL = (("alias", _OPT_STR),)
 _MISSING = object()
 
 
@@ -342,6 +358,13 @@ def validate(event: object) -> dict:
         return _validate_job_scope(event, kind)
     if kind == "hello":
         _check(event, _HELLO_OPTIONAL, required=False)
+        return event
+    if kind == "query":
+        _check(event, _QUERY, required=True)
+        _check(event, _QUERY_OPTIONAL, required=False)
+        _bounded_text(event, ("node", "path", "alias"))
+        if event["path"][:1] != "/":
+            raise EventError(REJECT_INCOMPLETE, "path must be absolute")
         return event
     if kind != "start" and kind != "end":
         raise EventError(REJECT_INCOMPLETE, f"unknown type {kind!r}")

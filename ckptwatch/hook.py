@@ -46,8 +46,10 @@ Choices and limits:
 - CKPTWATCH_POLICY (read once, at install()): `observe` (the default) only reports; `atomic`
   also makes every save to a path a temporary file renamed into place (ckptwatch.atomic);
   `warn` also warns in the training process at the first unsafe save of each call site
-  (ckptwatch.policy). `atomic,warn` does both. An unknown value acts as observe, so a typo
-  never breaks a job. The events are the same under every policy: an atomic save is reported
+  (ckptwatch.policy). `atomic,warn` does both. Under every policy install() also installs
+  the resume guard (ckptwatch.resumeguard): a load of a checkpoint the agent knows to be
+  corrupt gets one line in the log; `strict` makes such a load raise instead. An unknown
+  value acts as observe, so a typo never breaks a job. The events are the same under every policy: an atomic save is reported
   on the user's path, from before the temporary file is made until after the rename.
 """
 from __future__ import annotations
@@ -92,14 +94,15 @@ _atomic = None                    # ckptwatch.atomic.save under the atomic polic
 
 
 def policy(environ=None) -> str:
-    """The effective policy: "observe", "warn", "atomic" or "atomic,warn".
+    """The effective policy: "observe", or the names chosen among "atomic", "strict" and
+    "warn", sorted and joined by "," ("atomic,warn", "strict,warn", ...).
 
     CKPTWATCH_POLICY is one name or several joined by "," or "+"; unknown names are ignored
     (they act as observe), so a typo never breaks a job.
     """
     env = os.environ if environ is None else environ
     requested = env.get(POLICY_ENV, "observe").strip().lower().replace("+", ",")
-    chosen = {name.strip() for name in requested.split(",")} & {"warn", "atomic"}
+    chosen = {name.strip() for name in requested.split(",")} & {"warn", "atomic", "strict"}
     return ",".join(sorted(chosen)) or "observe"
 
 
@@ -206,6 +209,7 @@ def install() -> bool:
             setattr(module, attr, wrapper)
             patched = True
         was_active, _active = _active, True
+        _install_resume_guard("strict" in chosen)
         _start_jobscope()
         return patched or not was_active
 
@@ -218,6 +222,15 @@ def _enable_warn() -> None:
     want_notices()
     _policy_mod.own_site = _own_site
     _emitter_mod.get_emitter().on_notice = _policy_mod.handle_notice
+
+
+def _install_resume_guard(strict: bool) -> None:
+    # Loads are checked under every policy (ckptwatch/resumeguard.py); strict refuses.
+    try:
+        from ckptwatch import resumeguard
+        resumeguard.install(strict=strict)
+    except Exception:
+        _counters["errors"] += 1
 
 
 def _own_site(site: str) -> str | None:
@@ -238,6 +251,8 @@ def uninstall() -> bool:
     with _install_lock:
         _active = False
         restored = False
+        if "ckptwatch.resumeguard" in sys.modules:
+            restored = sys.modules["ckptwatch.resumeguard"].uninstall()
         for module_name, attr in _TARGETS:
             module = sys.modules.get(module_name)
             current = getattr(module, attr, None) if module is not None else None

@@ -69,6 +69,7 @@ class Config:
     verify_incomplete_after: float = 60.0    # a DCP directory without .metadata: incomplete
     verify_deep_max_bytes: int = 256 * 1024 * 1024
     verify_max_rate: float = 200e6            # bytes/s for deep checks; 0 = no cap
+    verify_store_verdict: bool = True         # tag verified files (user.ckptwatch.verdict)
     node: str = field(default_factory=lambda: os.environ.get("CKPTWATCH_NODE")
                       or socket.gethostname())
     watch_paths: list = field(default_factory=list)
@@ -326,6 +327,10 @@ OPTIONS = (
            "files up to this size also get the deep check (CRC32 of every record)"),
     Option("verify.max-rate", "verify_max_rate", _number(float, 0),
            "bytes/s the deep check may read (0: no cap)", lambda: "200000000"),
+    Option("verify.store-verdict", "verify_store_verdict", _bool,
+           "store each file's verdict with it as the extended attribute "
+           "user.ckptwatch.verdict, which the resume guard reads when the file is loaded, "
+           "on any node (true/false)", lambda: "true"),
 )
 _BY_FLAG = {o.flag: o for o in OPTIONS}
 

@@ -35,9 +35,11 @@ from monitor.agent import gcpolicy, logformat
 from monitor.agent.config import Config
 from monitor.agent.jobreports import JobScopeEvents
 from monitor.agent.resume import resume
+from monitor.agent.verdictbook import VerdictBook
 from monitor.detect.detector import Detector
 from monitor.detect.merge import SourceMerger
-from monitor.detect.model import FINDING_VERIFICATION, SOURCE_FS, Collision, Finding, Write
+from monitor.detect.model import (FINDING_VERIFICATION, KIND_CONCURRENT, SOURCE_FS, Collision,
+                                  Finding, Write)
 from monitor.detect.sizes import SizeHistory
 from monitor.fs.source import FILE_CHANGED, FILE_CLOSED, FileNotice, FsSource
 from monitor.ingest.inbox import Inbox
@@ -100,6 +102,9 @@ class Agent:
         self.fs_inbox = fs_inbox if fs_inbox is not None else queue.SimpleQueue()
         self._stopping = False
         self.journal: Journal | None = None
+        # What loads are told (monitor/agent/verdictbook.py); build() shares it with ingest
+        # and the verifier.
+        self.book = VerdictBook(config.collision_max_paths, store=False)
         self.job_scope = job_scope if job_scope is not None else JobScopeEvents()
         # Set once start() has started every source: /-/ready waits for it.
         self.started = started if started is not None else threading.Event()
@@ -112,13 +117,14 @@ class Agent:
                              corrupt_causes=CORRUPT_CAUSES,
                              verify_enabled=config.verify_enabled)
         inbox = Inbox()
+        book = VerdictBook(config.collision_max_paths, store=config.verify_store_verdict)
         fs_inbox: queue.SimpleQueue = queue.SimpleQueue()
         heartbeat = [time.monotonic()]
         ingest = IngestServer(config.socket, inbox.put, state.event_rejected,
                               backlog=inbox.backlog, max_backlog=MAX_BACKLOG,
                               processed=inbox.finished,
                               socket_mode=config.socket_mode, socket_group=config.socket_group,
-                              hangups=True)
+                              hangups=True, on_query=book.answer)
         detector = Detector(window=config.collision_window, settle=config.collision_settle,
                             stale_after=config.collision_stale_after,
                             max_paths=config.collision_max_paths, pid_alive=pid_alive,
@@ -143,7 +149,8 @@ class Agent:
             raise StartError(exc.strerror) from exc     # names the path and the reason
         checks = Checks(config.verify_enabled, config.verify_quiet, config.collision_max_paths,
                         config.verify_deep_max_bytes, config.verify_max_rate,
-                        incomplete_after=config.verify_incomplete_after)
+                        incomplete_after=config.verify_incomplete_after,
+                        on_verdict=book.stamp)
         job_scope = JobScopeEvents()
         # Each component's metrics are read from it when scraped (exporters.metrics.
         # components); the state holds only what was published to it.
@@ -173,6 +180,7 @@ class Agent:
         agent = cls(config, state, inbox, ingest, detector, checks, sizes, exporters,
                     server, merger, fs, heartbeat, fs_inbox, job_scope, started)
         agent.journal = journal
+        agent.book = book
         return agent
 
     # ------------------------------------------------------------------ lifecycle
@@ -259,6 +267,7 @@ class Agent:
         """Detector outputs to the verification schedule, the size history, the exporters."""
         for item in items:
             if isinstance(item, Write):
+                self.book.write_ended(item.path, (item.writer.node, item.writer.pid, item.seq))
                 self.exporters.publish_write(item)
                 if not self._stopping:
                     if item.outcome == "ok":
@@ -269,6 +278,8 @@ class Agent:
                     if finding is not None:
                         self.exporters.publish_finding(finding)
             elif isinstance(item, Collision):
+                if item.kind == KIND_CONCURRENT:
+                    self.book.collided(item.path, item.id, item.to_record()["writers"])
                 if not self._stopping:
                     self.checks.collided(item.path, item.id)
                 self.exporters.publish_collision(item)
@@ -309,6 +320,12 @@ class Agent:
                 continue
             # A short save's end is usually its only event (its start is not sent,
             # ckptwatch/emitter.py): it names the path and its writer's rights as a start does.
+            rights = event.get(RIGHTS)
+            uid = getattr(rights, "uid", None)
+            if kind == "start":
+                self.book.write_started(event["path"], (node, event["pid"], event["seq"]), uid)
+            else:
+                self.book.write_ended(event["path"], (node, event["pid"], event["seq"]), uid)
             if not self._stopping:
                 if kind == "start":
                     self.checks.write_started(event["path"], event.get(RIGHTS))

@@ -17,6 +17,7 @@ import os
 import sys
 import time
 
+from ckptwatch import verdicts as file_verdicts
 from exporters.journal import SYSTEM_JOURNAL_PATH, default_journal_path
 from exporters.logline import call_sites, clean
 from monitor.cli.advice import FIX, suggest_fix
@@ -81,8 +82,31 @@ def _row(values: list, columns: list) -> str:
     return ("  " + " ".join(cells)).rstrip()
 
 
-def render_collision(c: Collision, width: int = 80) -> list:
-    """The lines for one collision (without the path heading)."""
+def found_in_file(c: Collision, record: dict | None) -> str:
+    """What the agent found in the file collision `c` wrote, in the words of the resume guard
+    and `ckptwatch scan` (ckptwatch.verdicts.describe): from the verdict stored with the file
+    when it is still there and about this collision, else from the journal's verification
+    record (`record`, a corrupt or unverifiable verdict linked to c.id). "" without either."""
+    try:
+        st = os.stat(c.path)
+        stored = file_verdicts.decode(os.getxattr(c.path, file_verdicts.XATTR))
+        if stored is not None and stored.collision == c.id and file_verdicts.same_file(stored, st):
+            return file_verdicts.describe(c.path, stored)
+    except (OSError, ValueError):
+        pass
+    if record is None or record.get("result") != file_verdicts.CORRUPT:
+        return ""
+    writers = tuple(file_verdicts.writer_text(w.writer.rank, w.writer.pid, w.writer.node, w.site)
+                    for w in c.writes)[:file_verdicts.MAX_WRITERS]
+    text = lambda v: v if isinstance(v, str) else ""     # noqa: E731
+    verdict = file_verdicts.FileVerdict(file_verdicts.CORRUPT, text(record.get("cause")),
+                                        text(record.get("reason")), c.id, writers)
+    return file_verdicts.describe(c.path, verdict)
+
+
+def render_collision(c: Collision, width: int = 80, found: str = "") -> list:
+    """The lines for one collision (without the path heading); found: what the agent found
+    in the file (found_in_file)."""
     lines = []
     first = c.first
     day = time.strftime("%Y-%m-%d", time.localtime(int(first.start_wall)))
@@ -128,15 +152,19 @@ def render_collision(c: Collision, width: int = 80) -> list:
     if sites:
         lines += wrapped("call site: " if len(sites) == 1 else "call sites: ",
                           ", ".join(sites), width)
+    if found:
+        lines += wrapped("found: ", found, width)
     lines += wrapped("fix: ", suggest_fix(c), width)
     if c.id:
         lines.append(keep_head(f"  id {c.id}", width))
     return lines
 
 
-def render_table(collisions: list, width: int = 80) -> str:
+def render_table(collisions: list, width: int = 80, verdicts=()) -> str:
     """Every path with collisions, its collisions oldest first; every line <= width. With
-    several jobs, one section per job (headed "== job <id> =="), each path in it."""
+    several jobs, one section per job (headed "== job <id> =="), each path in it. verdicts:
+    the journal's verification records, for what the agent found in each file."""
+    by_collision = {v.get("collision_id"): v for v in verdicts if v.get("collision_id")}
     by_path: dict[tuple, list] = {}
     ordered = sorted(collisions, key=lambda c: c.first.start_wall)
     several_jobs = len({c.job_label for c in ordered}) > 1
@@ -154,7 +182,9 @@ def render_table(collisions: list, width: int = 80) -> str:
         for index, c in enumerate(group):
             if index:
                 lines.append("")
-            lines += render_collision(c, width)
+            found = found_in_file(c, by_collision.get(c.id)) if c.kind == KIND_CONCURRENT \
+                else ""
+            lines += render_collision(c, width, found)
     # A last guard: nothing may wrap in the terminal, whatever a value contained.
     return "\n".join(line if len(line) <= width else keep_head(line, width) for line in lines)
 
@@ -333,7 +363,8 @@ def render_text(summary: JournalSummary, journal: str, width: int = 80, quiet: b
     sections = []
     if summary.collisions:
         shown, more = _newest(summary.collisions, TABLE_ITEMS, "collisions", width)
-        sections.append("\n".join(more + [render_table(shown, width)]))
+        table = render_table(shown, width, verdicts=summary.verdicts)
+        sections.append("\n".join(more + [table]))
     for title, render, items in (("hazards", render_hazards, summary.hazards),
                                  ("verification verdicts", render_verdicts, summary.verdicts),
                                  ("size fluctuations and torn reads", render_findings,

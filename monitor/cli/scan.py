@@ -24,6 +24,13 @@ the one the walk saw (same device and inode). A PATH named on the command line i
 own choice and is followed. No verdict quotes a file's bytes, and names are printed with
 their control characters escaped.
 
+What the agent found when the file was written (the verdict it stored with the file,
+ckptwatch/verdicts.py, when it is about this very version of the file): its verdict (often
+from a deeper check than scan's structural one), the collision that wrote it, its writers
+and the last checkpoint of the directory verified ok are told in one more line under the
+file's ("agent: ..."), in the words the resume guard prints when the file is loaded and
+`ckptwatch report` uses (ckptwatch.verdicts.describe). The status column is scan's own check.
+
 "ok" means the file is structurally whole (see docs/integrity.md); it says nothing about
 whether loading it is safe. A torch pickle that names callables outside what
 torch.load(weights_only=True) accepts is listed with a line saying so (details["pickle"]).
@@ -42,6 +49,7 @@ import textwrap
 import time
 from dataclasses import dataclass
 
+from ckptwatch import verdicts as file_verdicts
 from monitor.verify import crc
 from monitor.verify import integrity
 from monitor.verify import sets as checkpoint_sets
@@ -69,6 +77,7 @@ class Result:
     seconds: float = 0.0
     is_set: bool = False
     named: bool = False         # named on the command line (not found in a walk)
+    story: str = ""               # the agent's record of the file, told as the guard tells it
 
     @property
     def unread(self) -> str:
@@ -94,6 +103,8 @@ class Result:
         v = self.verdict
         out = {"path": self.path, "size": self.size, "status": v.status, "format": v.format,
                "reason": v.reason, "details": v.details, "seconds": round(self.seconds, 6)}
+        if self.story:
+            out["story"] = self.story
         if self.is_set:
             out["cause"] = v.details.get("cause", "")
         return out
@@ -239,7 +250,7 @@ def scan(paths, deep=False, patterns=DEFAULT_PATTERNS, max_bytes_per_second=None
                                        name=target.path, follow_symlinks=target.follow,
                                        identity=target.identity)
         result = Result(target.path, size, verdict, time.monotonic() - started,
-                        named=target.follow)
+                        named=target.follow, story=_story(target, verdict))
         results.append(result)
         verdicts[os.path.realpath(target.path)] = verdict
         done_bytes += size or 0
@@ -268,6 +279,30 @@ def scan(paths, deep=False, patterns=DEFAULT_PATTERNS, max_bytes_per_second=None
     if progress:
         progress(len(files), len(files), done_bytes, total_bytes)
     return results, missing
+
+
+def _story(target: Target, verdict: integrity.Verdict) -> str:
+    """The agent's stored verdict on the file, if it is about this version of it, joined with
+    scan's own finding and told in the guard's words; "" without one."""
+    if target.skip:
+        return ""
+    try:
+        st = os.stat(target.source, follow_symlinks=target.follow)
+        data = os.getxattr(target.source, file_verdicts.XATTR, follow_symlinks=target.follow)
+    except OSError:
+        return ""
+    stored = file_verdicts.decode(data)
+    if stored is None or not file_verdicts.same_file(stored, st):
+        return ""
+    if verdict.status == integrity.CORRUPT and stored.state != integrity.CORRUPT:
+        # Damaged since the agent judged it (or scan looked deeper): scan's finding wins.
+        stored = file_verdicts.FileVerdict(
+            integrity.CORRUPT, verdict.details.get("cause")
+            or integrity.corrupt_cause(verdict.reason), verdict.reason, stored.collision,
+            stored.writers, stored.last_ok, stored.identity)
+    if not stored.collision and not stored.refused:
+        return ""                 # nothing the status line does not say
+    return file_verdicts.describe(target.path, stored)
 
 
 def exit_code(results, missing) -> int:
@@ -357,6 +392,10 @@ def format_line(result: Result, paint=None) -> str:
     if v.reason:
         line += textwrap.fill(clean(v.reason), WIDTH, initial_indent="    ",
                               subsequent_indent="    ", break_on_hyphens=False) + "\n"
+    if result.story:
+        line += textwrap.fill("agent: " + result.story, WIDTH, initial_indent="    ",
+                              subsequent_indent="    ", break_on_hyphens=False,
+                              break_long_words=True) + "\n"
     return line
 
 

@@ -50,6 +50,11 @@ that does not fit the peer's socket buffer is dropped and counted, and a partly 
 finished before any other (at most one frame waits per connection), so the agent never waits
 on a hook that does not read. The queue is bounded (MAX_NOTICES; beyond, dropped and counted).
 
+Queries (the resume guard): a "query" frame is not an event; on_query(query, rights) builds
+its answer on this thread from the agent's table of verdicts, and it is sent at once like a
+notice (never waiting). Queries share a connection's job-scope token bucket: a flood of them
+is answered at that rate, the rest not at all (the guard then goes on without an answer).
+
 Back-pressure: with backlog() and max_backlog, the server stops reading while the consumer
 has more than max_backlog events waiting. The senders' sockets then fill, their background
 threads wait, and their bounded queues drop and count — the agent's memory stays bounded and
@@ -114,7 +119,8 @@ class IngestServer:
                  backlog: Callable[[], int] | None = None, max_backlog: int = 200_000,
                  max_per_pid: int = 16, max_per_uid: int = 256, frame_timeout: float = 30.0,
                  log_interval: float = 60.0, clock: Callable[[], float] = time.monotonic,
-                 processed: Callable[[], int] | None = None, hangups: bool = False):
+                 processed: Callable[[], int] | None = None, hangups: bool = False,
+                 on_query: Callable[[dict, object], bytes | None] | None = None):
         self._hangups = hangups
         self._conns = Connections(max_connections, max_per_pid, max_per_uid, frame_timeout,
                                   log_interval, clock)
@@ -124,6 +130,9 @@ class IngestServer:
         self._backlog = backlog
         self._max_backlog = max_backlog
         self._on_reject = on_reject
+        # on_query(query, rights) -> answer frame: a resume guard's "query" (ckptwatch/
+        # events.py), answered here on the server thread (monitor/agent/verdictbook.py).
+        self._on_query = on_query
         self._clock = clock
         self._listener: socket.socket | None = None
         self._selector: selectors.BaseSelector | None = None
@@ -490,6 +499,9 @@ class IngestServer:
                 conn.wants_acks = conn.wants_acks or event.get("ack") is True
                 conn.wants_notices = conn.wants_notices or event.get("notices") is True
                 continue
+            if event["type"] == "query":    # answered here, never an event
+                self._answer(conn, event)
+                continue
             if "source" in event:
                 del event["source"]     # the socket speaks for the hook only: no claiming "fs"
             if "notices" in event:
@@ -518,6 +530,17 @@ class IngestServer:
                               "wall": time.time()}])
         except Exception:
             self._unexpected("on_events callback failed")
+
+    def _answer(self, conn: Connection, query: dict) -> None:
+        if self._on_query is None or not conn.take_token(self._clock()):
+            return          # no answer: the guard's wait ends, the load goes on
+        try:
+            frame = self._on_query(query, conn.rights)
+        except Exception:
+            self._unexpected("on_query callback failed")
+            return
+        if frame is not None:
+            self._send_frame(conn, frame)
 
     def _reject(self, reason: str) -> None:
         try:

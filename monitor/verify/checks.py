@@ -21,11 +21,12 @@ class Checks:
 
     def __init__(self, enabled: bool = True, quiet: float = 2.0, max_paths: int = 10000,
                  deep_max_bytes: int = 0, max_rate: float | None = None, clock=time.monotonic,
-                 incomplete_after: float = 60.0):
+                 incomplete_after: float = 60.0, on_verdict=None):
         self.enabled = enabled
         self.schedule = VerifySchedule(quiet=quiet, max_paths=max_paths,
                                        incomplete_after=incomplete_after)
-        self.verifier = Verifier(deep_max_bytes=deep_max_bytes, max_rate=max_rate or None)
+        self.verifier = Verifier(deep_max_bytes=deep_max_bytes, max_rate=max_rate or None,
+                                 on_verdict=on_verdict)
         self._clock = clock
 
     def start(self) -> None:

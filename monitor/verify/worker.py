@@ -332,7 +332,7 @@ class Verifier:
     """Runs verifications in one worker thread; results come back through drain()."""
 
     def __init__(self, deep_max_bytes: int = 256 << 20, max_rate: float | None = 200e6,
-                 max_queue: int = 1024, wall_clock=time.time):
+                 max_queue: int = 1024, wall_clock=time.time, on_verdict=None):
         self.deep_max_bytes = deep_max_bytes
         self.max_rate = max_rate
         # Two lanes, each bounded by max_queue: what the agent's own watcher saw (and sets,
@@ -356,6 +356,12 @@ class Verifier:
         # the worker answers every item, with an empty list when it has no verdict, so a
         # count of 0 means every verdict is in the loop's hands (`ckptwatch check` waits on it).
         self.outstanding = 0
+        # on_verdict(source, st, verification, owned): called on the worker thread with every
+        # file verdict while `source` (the path, or the /proc/self/fd link to the very file
+        # read) is still open, st its stat before the read; owned: the file belongs to whoever
+        # it was read for (the agent's rights, or a sender who owns it). The agent stores the
+        # verdict with the file there (monitor/agent/verdictbook.py). Its failures are its own.
+        self.on_verdict = on_verdict
 
     def start(self) -> None:
         if self._thread is None:
@@ -481,6 +487,7 @@ class Verifier:
         for sender in readers:
             try:
                 fd = rights.open_as(path, sender)
+                reader = sender
                 break
             except FileNotFoundError:
                 return Verification(path, RESULT_GONE, job=job, collision_id=collision_id,
@@ -493,12 +500,14 @@ class Verifier:
         try:
             # The descriptor checked above, reopened by /proc: the very file the sender could
             # read, whatever the name points to by now.
-            return self._verify(f"/proc/self/fd/{fd}", path, job, collision_id)
+            return self._verify(f"/proc/self/fd/{fd}", path, job, collision_id,
+                                owner=reader.uid)
         finally:
             os.close(fd)
 
     def _verify(self, source: str, path: str, job: str, collision_id: str,
-                follow_symlinks: bool = True) -> Verification | None:
+                follow_symlinks: bool = True, owner: int | None = None
+                ) -> Verification | None:
         started = time.monotonic()
         try:
             st = os.stat(source)
@@ -523,8 +532,15 @@ class Verifier:
         verdict = integrity.verify(source, deep=deep, max_bytes_per_second=self.max_rate,
                                    name=path, follow_symlinks=follow_symlinks,
                                    identity=(st.st_dev, st.st_ino) if st is not None else None)
-        return _verification(path, verdict, deep, size, time.monotonic() - started, job,
-                             collision_id, self._wall())
+        result = _verification(path, verdict, deep, size, time.monotonic() - started, job,
+                               collision_id, self._wall())
+        if self.on_verdict is not None and st is not None:
+            try:
+                self.on_verdict(source, st, result,
+                                owner is None or owner == 0 or owner == st.st_uid)
+            except Exception:
+                log.exception("storing the verdict on %r failed", path)
+        return result
 
     def _run(self) -> None:
         while True:
