@@ -3,7 +3,7 @@
     python bench/hook_overhead.py [--rounds-small 3000] [--rounds-large 40]
                                   [--process-saves 5000] [--process-saves-large 20]
                                   [--pairs 3] [--skip-save-path] [--skip-process]
-                                  [--skip-writers]
+                                  [--skip-writers] [--compare LABEL=TREE ...]
 
 Per writer (--skip-writers skips it): bench/writer_overhead.py, the added cost of a
 safetensors save_file and a DCP save beside torch.save's, interleaved in one process.
@@ -20,9 +20,15 @@ training process's GIL, and the cost of handing the GIL to it and back. Each sam
 in a loop, plain (CKPTWATCH_DISABLE=1, hook not installed) or instrumented (hook installed,
 the agent receiving), then waits for the sender to drain (flush) and reads its wall time and
 its process CPU time (time.process_time: every thread of the child, the sender included).
-Plain and instrumented children alternate (pairs, order swapped every pair); reported: the
-median over pairs of per-save wall and CPU time, and the median of per-pair differences.
-Target (issue 8, item 10): <= 15 us added per 4 KiB save, wall and CPU.
+Plain and instrumented children alternate (--pairs rounds, see --compare below).
+Target (issue 22): the added process CPU at most 15 % of a plain 4 KiB save's, in the same run.
+
+--compare LABEL=TREE (repeatable; default: f503c65=/work/wt/base-f503c65 when it exists) adds
+instrumented children that import ckptwatch from another checkout (same interpreter, same
+torch, same agent), so this tree's hook and an older one are measured side by side: every
+round runs one child of each kind, in an order rotated every round. Reported per kind: medians
+of wall and CPU per save, the median of per-round differences to the plain child, and that
+difference as a share of the plain child's CPU. The load average is printed before and after.
 """
 from __future__ import annotations
 
@@ -54,13 +60,15 @@ def measure(plain, instrumented, state, rounds: int, outdir: str) -> tuple[list,
 
 # ---- whole process ------------------------------------------------------------------------
 
-def child(instrumented: bool, saves: int, nbytes: int, outdir: str) -> dict:
+def child(instrumented: bool, saves: int, nbytes: int, outdir: str, tree: str) -> dict:
     """Runs in a fresh process: `saves` saves, then drain, then wall and CPU per save."""
+    sys.path.insert(0, tree)            # the checkout whose ckptwatch is measured
     import torch
     if instrumented:
         import ckptwatch
         from ckptwatch import emitter as emitter_mod
         assert ckptwatch.install(), "hook did not install"
+        assert ckptwatch.__file__.startswith(os.path.join(tree, "")), ckptwatch.__file__
     state = {"w": torch.zeros(nbytes // 4, dtype=torch.float32)}
     path = os.path.join(outdir, f"proc-{os.getpid()}.pt")
     save = torch.save
@@ -102,45 +110,54 @@ def child(instrumented: bool, saves: int, nbytes: int, outdir: str) -> dict:
     return out
 
 
-def run_child(instrumented: bool, saves: int, nbytes: int, outdir: str, socket: str) -> dict:
-    env = dict(os.environ, CKPTWATCH_SOCKET=socket, PYTHONPATH=_REPO)
-    if instrumented:
-        env.pop("CKPTWATCH_DISABLE", None)
-    else:
+def run_child(tree: str | None, saves: int, nbytes: int, outdir: str, socket: str) -> dict:
+    """tree None: a plain child (hook not installed); else instrumented from that checkout."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CKPTWATCH_")}
+    env.update(CKPTWATCH_SOCKET=socket, PYTHONPATH=tree or _REPO, OMP_NUM_THREADS="1")
+    if tree is None:
         env["CKPTWATCH_DISABLE"] = "1"
     cmd = [sys.executable, os.path.abspath(__file__), "--child",
-           "instrumented" if instrumented else "plain", str(saves), str(nbytes), outdir]
+           "plain" if tree is None else "instrumented", str(saves), str(nbytes), outdir,
+           tree or _REPO]
     done = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def measure_process(saves: int, nbytes: int, pairs: int, outdir: str, socket: str) -> dict:
-    plain, instr = [], []
-    for i in range(pairs):
-        order = (False, True) if i % 2 == 0 else (True, False)
-        for instrumented in order:
-            result = run_child(instrumented, saves, nbytes, outdir, socket)
-            (instr if instrumented else plain).append(result)
+def measure_process(saves: int, nbytes: int, rounds: int, outdir: str, socket: str,
+                    trees: dict) -> dict:
+    """{kind: figures} for "plain" and each instrumented tree, one child of each per round."""
+    kinds = {"plain": None, **trees}
+    results = {kind: [] for kind in kinds}
+    names = list(kinds)
+    for i in range(rounds):
+        shift = i % len(names)
+        for kind in names[shift:] + names[:shift]:
+            results[kind].append(run_child(kinds[kind], saves, nbytes, outdir, socket))
     med = statistics.median
-    return {
-        "plain_wall": med(r["wall"] for r in plain), "instr_wall": med(r["wall"] for r in instr),
-        "plain_cpu": med(r["cpu"] for r in plain), "instr_cpu": med(r["cpu"] for r in instr),
-        "added_wall": med(b["wall"] - a["wall"] for a, b in zip(plain, instr)),
-        "added_cpu": med(b["cpu"] - a["cpu"] for a, b in zip(plain, instr)),
-        "sender_cpu": med(r["sender_cpu"] for r in instr),
-        "added_main_cpu": med(b["main_cpu"] - a["main_cpu"] for a, b in zip(plain, instr)),
-        "dropped": sum(r.get("dropped", 0) for r in instr),
-        "sent": sum(r.get("sent", 0) for r in instr),
-    }
+    plain = results["plain"]
+    out = {}
+    for kind, runs in results.items():
+        out[kind] = {
+            "wall": med(r["wall"] for r in runs), "cpu": med(r["cpu"] for r in runs),
+            "added_wall": med(b["wall"] - a["wall"] for a, b in zip(plain, runs)),
+            "added_cpu": med(b["cpu"] - a["cpu"] for a, b in zip(plain, runs)),
+            "added_share": med((b["cpu"] - a["cpu"]) / a["cpu"] for a, b in zip(plain, runs)),
+            "added_main_cpu": med(b["main_cpu"] - a["main_cpu"] for a, b in zip(plain, runs)),
+            "sender_cpu": med(r["sender_cpu"] for r in runs),
+            "sent": sum(r.get("sent", 0) for r in runs),
+            "dropped": sum(r.get("dropped", 0) for r in runs),
+        }
+    return out
 
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_BASE = "/work/wt/base-f503c65"
 
 
 def main(argv=None) -> int:
     if argv is None and len(sys.argv) > 1 and sys.argv[1] == "--child":
-        mode, saves, nbytes, outdir = sys.argv[2:6]
-        print(json.dumps(child(mode == "instrumented", int(saves), int(nbytes), outdir)))
+        mode, saves, nbytes, outdir, tree = sys.argv[2:7]
+        print(json.dumps(child(mode == "instrumented", int(saves), int(nbytes), outdir, tree)))
         return 0
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -155,17 +172,30 @@ def main(argv=None) -> int:
                     help="skip the per-writer table (bench/writer_overhead.py: torch.save, "
                          "safetensors, DCP side by side)")
     ap.add_argument("--dir", default="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    ap.add_argument("--compare", action="append", default=None, metavar="LABEL=TREE",
+                    help="also an instrumented child importing ckptwatch from TREE")
     args = ap.parse_args(argv)
+    compare = args.compare
+    if compare is None:
+        compare = [f"f503c65={_BASE}"] if os.path.isdir(os.path.join(_BASE, "ckptwatch")) else []
+    trees = {"hooked (this tree)": _REPO}
+    for item in compare:
+        label, sep, tree = item.partition("=")
+        if not sep or not os.path.isdir(os.path.join(tree, "ckptwatch")):
+            ap.error(f"--compare {item!r}: expected LABEL=TREE, TREE a checkout of ckptwatch")
+        trees[f"hooked ({label})"] = os.path.abspath(tree)
+    load_before = os.getloadavg()
 
     outdir = tempfile.mkdtemp(prefix="cwbench", dir=args.dir)
     try:
         with Agent() as agent:
             process_rows = [] if args.skip_process else [
                 ("4 KiB", args.process_saves,
-                 measure_process(args.process_saves, 4 * 1024, args.pairs, outdir, agent.socket)),
+                 measure_process(args.process_saves, 4 * 1024, args.pairs, outdir, agent.socket,
+                                 trees)),
                 ("64 MiB", args.process_saves_large,
                  measure_process(args.process_saves_large, 64 * 1024 * 1024, args.pairs, outdir,
-                                 agent.socket)),
+                                 agent.socket, trees)),
             ]
             process_received = agent.metrics().get("ckptwatch_events_received_total", 0)
             save_path = None if args.skip_save_path else save_path_bench(args, outdir, agent)
@@ -197,26 +227,32 @@ def main(argv=None) -> int:
         print(f"events sent {stats.get('sent')}, dropped {stats.get('dropped')}, "
               f"received by agent {int(received)}")
     if process_rows:
-        print(f"\nWhole process (fresh child per sample, {args.pairs} plain/instrumented pairs, "
-              "wall and process CPU per save read after the sender drained):")
-        print(f"{'size':>7} {'saves':>6} {'plain wall':>11} {'hooked wall':>12} {'added wall':>11} "
-              f"{'plain cpu':>10} {'hooked cpu':>11} {'added cpu':>10} {'saving thread':>14} "
+        print(f"\nWhole process (fresh child per sample, {args.pairs} rounds of one child per kind "
+              "in rotated order; wall and process CPU per save read after the sender drained):")
+        print(f"{'size':>7} {'kind':<24} {'wall':>10} {'cpu':>10} {'added wall':>11} "
+              f"{'added cpu':>10} {'added cpu/plain cpu':>20} {'saving thread':>14} "
               f"{'sender thread':>14}")
-        for label, saves, r in process_rows:
-            unit, scale = ("us", 1e6) if r["plain_wall"] < 0.01 else ("ms", 1e3)
-            cells = [r[k] * scale for k in ("plain_wall", "instr_wall", "added_wall",
-                                            "plain_cpu", "instr_cpu", "added_cpu",
-                                            "added_main_cpu", "sender_cpu")]
-            print(f"{label:>7} {saves:>6} " + " ".join(
-                f"{v:>{w - 3}.{1 if unit == 'us' else 2}f} {unit}"
-                for v, w in zip(cells, (11, 12, 11, 10, 11, 10, 14, 14))))
-        print("(added: median of per-pair differences. Of the added cpu, saving thread: the "
-              "thread calling torch.save (the save path, GIL hand-overs), median of differences; "
-              "sender thread: the sender's own CPU time per save)")
-        sent = sum(r["sent"] for _, _, r in process_rows)
-        dropped = sum(r["dropped"] for _, _, r in process_rows)
+        for label, saves, kinds in process_rows:
+            unit, scale = ("us", 1e6) if kinds["plain"]["wall"] < 0.01 else ("ms", 1e3)
+            digits = 1 if unit == "us" else 2
+            for kind, r in kinds.items():
+                cells = [f"{r[k] * scale:>{w - 3}.{digits}f} {unit}" for k, w in (
+                    ("wall", 10), ("cpu", 10), ("added_wall", 11), ("added_cpu", 10))]
+                share = "" if kind == "plain" else f"{r['added_share']:.1%}"
+                extra = "" if kind == "plain" else (
+                    f"{r['added_main_cpu'] * scale:>11.{digits}f} {unit} "
+                    f"{r['sender_cpu'] * scale:>11.{digits}f} {unit}")
+                print(f"{label:>7} {kind:<24} " + " ".join(cells) + f" {share:>20} {extra}")
+        print("(added: median of per-round differences to the plain child of the same round; "
+              "saving thread: its added CPU; sender thread: the sender's own CPU per save)")
+        sent = sum(r["sent"] for _, _, kinds in process_rows for r in kinds.values())
+        dropped = sum(r["dropped"] for _, _, kinds in process_rows for r in kinds.values())
         print(f"children: events sent {sent}, dropped {dropped}; "
               f"agent received {int(process_received)}")
+    load_after = os.getloadavg()
+    print(f"load average (1, 5, 15 min): before {load_before[0]:.1f} {load_before[1]:.1f} "
+          f"{load_before[2]:.1f}, after {load_after[0]:.1f} {load_after[1]:.1f} "
+          f"{load_after[2]:.1f}")
     return 0
 
 

@@ -9,10 +9,18 @@ for a str / bytes / os.PathLike target it:
      file (0666 & ~umask), or the existing file's mode (and owner and group, where allowed);
   2. calls the original save with that temporary path in place of the target (every other
      argument untouched: pickle_module, _use_new_zipfile_serialization, ...);
-  3. fsyncs the temporary file, os.replace()s it onto the target, and fsyncs the directory
-     (CKPTWATCH_ATOMIC_DIR_FSYNC=0 turns the directory fsync off).
-Concurrent writers then leave one complete file (the last rename wins), and a crash mid-save
-leaves the previous checkpoint as it was. The temporary name never matches the agent's
+  3. os.replace()s it onto the target.
+Concurrent writers then leave one complete file (the last rename wins), and a process that
+crashes or is killed mid-save leaves the previous checkpoint as it was.
+
+Durability is a separate choice (docs/decisions.md, "atomic without fsync"):
+CKPTWATCH_ATOMIC_DURABLE=1 also fsyncs the temporary file before the rename and the directory
+after it, so the new checkpoint survives a power loss or a kernel crash too (without it, the
+kernel writes the data back in its own time: such a crash right after a save can leave the
+previous checkpoint or, on some filesystems, an empty file). It costs two fsyncs per save,
+1.6-2.8x a plain 4 KiB save on a local disk (docs/performance.md).
+CKPTWATCH_ATOMIC_DIR_FSYNC=0 drops the directory fsync from the durable mode; without
+CKPTWATCH_ATOMIC_DURABLE it changes nothing. The temporary name never matches the agent's
 checkpoint patterns (it ends in "-<hex>"), and its leading dot keeps it out of `ls` and of a
 resume script's glob("ckpt_*") while it exists.
 
@@ -40,28 +48,35 @@ import os
 import stat
 
 TEMP_MARK = ".ckptwatch-tmp-"
+DURABLE_ENV = "CKPTWATCH_ATOMIC_DURABLE"
 DIR_FSYNC_ENV = "CKPTWATCH_ATOMIC_DIR_FSYNC"
+_ON = ("1", "true", "yes", "on")
 _NAME_BYTES = 200         # of the target's name kept in the temporary name (NAME_MAX is 255)
 _PLAIN_TYPES = (str, bytes, os.PathLike)
 
-_dir_fsync = True
+_durable = False          # fsync the file before the rename (CKPTWATCH_ATOMIC_DURABLE)
+_dir_fsync = False        # and the directory after it (durable, unless DIR_FSYNC=0)
 _counters = {
     "atomic": 0,                 # saves done through a temporary file and a rename
     "fallback_not_regular": 0,   # target exists and is not a regular file we may write
     "fallback_no_temp": 0,       # no temporary file could be made next to the target
-    "fallback_no_fsync": 0,      # fsync of the temporary file failed
+    "fallback_no_fsync": 0,      # fsync of the temporary file failed (durable mode)
     "fallback_no_rename": 0,     # os.replace failed (filesystem without rename support)
     "owner_not_kept": 0,         # the existing file's owner/group could not be given
-    "dir_fsync_errors": 0,       # directory fsync failed after the rename (save is done)
+    "dir_fsync_errors": 0,       # directory fsync failed after the rename (durable mode;
+                                 # the save is done)
     "cleanup_errors": 0,         # a temporary file could not be removed
 }
 
 
 def configure(environ=None) -> None:
-    """Read CKPTWATCH_ATOMIC_DIR_FSYNC (default on; 0/false/no/off turn it off)."""
-    global _dir_fsync
+    """Read CKPTWATCH_ATOMIC_DURABLE (off unless 1/true/yes/on) and, in the durable mode,
+    CKPTWATCH_ATOMIC_DIR_FSYNC (on unless 0/false/no/off)."""
+    global _durable, _dir_fsync
     env = os.environ if environ is None else environ
-    _dir_fsync = env.get(DIR_FSYNC_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+    _durable = env.get(DURABLE_ENV, "").strip().lower() in _ON
+    _dir_fsync = _durable and env.get(DIR_FSYNC_ENV, "1").strip().lower() not in (
+        "0", "false", "no", "off")
 
 
 def stats() -> dict:
@@ -97,14 +112,15 @@ def save(original, args: tuple, kwargs: dict):
     except BaseException:
         _discard(fd, temp)
         raise
-    try:
-        os.fsync(fd)
-    except BaseException as exc:
-        _discard(fd, temp)
-        if not isinstance(exc, Exception):
-            raise
-        _counters["fallback_no_fsync"] += 1
-        return _plain(original, args, kwargs, target)
+    if _durable:
+        try:
+            os.fsync(fd)
+        except BaseException as exc:
+            _discard(fd, temp)
+            if not isinstance(exc, Exception):
+                raise
+            _counters["fallback_no_fsync"] += 1
+            return _plain(original, args, kwargs, target)
     try:
         os.close(fd)
         os.replace(temp, final)

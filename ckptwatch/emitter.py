@@ -241,10 +241,14 @@ class Emitter:
                     reason = "broken"    # the sender finds the connection gone and reconnects
                 else:
                     if written == len(frame):
+                        # self._written(frame), inline: this is the save path's common case
                         self._direct += 1
-                        self._written(frame)
-                        if len(self._unacked) == UNACKED_KICK and self._idle:
-                            self._wake.set()     # time to read acks (module doc, "Cost")
+                        self._sent += 1
+                        unacked = self._unacked
+                        unacked.append(frame)
+                        count = len(unacked)
+                        if count > MAX_UNACKED or count == UNACKED_KICK:
+                            self._many_unacked()
                         return
                     # Part of it is in the socket: the rest goes before anything else.
                     self._unsent.append(frame)
@@ -262,6 +266,18 @@ class Emitter:
             self._fall_back(frame, reason)
         elif self._idle:
             self._wake.set()
+
+    def _many_unacked(self) -> None:
+        # Under _io, after record() wrote a frame directly: forget the oldest beyond
+        # MAX_UNACKED (as _written does), and wake the sender to read acks at UNACKED_KICK.
+        unacked = self._unacked
+        if len(unacked) > MAX_UNACKED:
+            unacked.popleft()
+            self._acked += 1
+            if self._acking:
+                self._unconfirmed += 1
+        if len(unacked) == UNACKED_KICK and self._idle:
+            self._wake.set()     # time to read acks (module doc, "Cost")
 
     def _connect_and_write(self, frame: bytes) -> str | None:
         """record() without a connection (under _io): connect without waiting and write the

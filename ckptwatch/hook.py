@@ -85,9 +85,6 @@ _reported_files: "weakref.WeakSet" = weakref.WeakSet()
 _reported_ids: set = set()        # (id, fileno) for file objects that refuse weak references
 _wrappers: list = []              # every wrapper we made: the marker alone is not proof, since
                                   # functools.wraps on someone else's wrapper copies it
-_internal_code: dict = {}         # code object -> True if it belongs to torch or ckptwatch
-_lines: dict = {}                 # (code, f_lasti) -> line: f_lineno scans the code's line
-                                  # table from its start on every read, long in a train loop
 _torch_dir: str | None = None
 _counters = {"reported": 0, "coalesced": 0, "unreported": 0, "errors": 0}
 _atomic = None                    # ckptwatch.atomic.save under the atomic policy, else None
@@ -235,13 +232,15 @@ def _install_resume_guard(strict: bool) -> None:
 
 def _own_site(site: str) -> str | None:
     """Our own text of `site` if a save was reported from that call site (cached in
-    _prefixes), else None: the warn policy attributes a notice's warning to a file only then
-    (ckptwatch/policy.py). list() copies the keys in one step under the GIL."""
-    for _path, code, line in list(_prefixes):
-        if code is not None:
-            mine = f"{code.co_filename}:{line}"
-            if mine == site:
-                return mine
+    _codes), else None: the warn policy attributes a notice's warning to a file only then
+    (ckptwatch/policy.py). Runs on the sender thread: list() copies in one step under the
+    GIL what the save path may add to meanwhile."""
+    for code, sites in list(_codes.values()):
+        if sites is not None:
+            for entry in list(sites.values()):
+                mine = f"{code.co_filename}:{entry[1]}"
+                if mine == site:
+                    return mine
     return None
 
 
@@ -337,37 +336,82 @@ def _already_reported(f, fileno: int) -> bool:
         return False
 
 
-def _caller(frame):
-    """The first frame outside torch and our hook machinery, or None."""
-    internal = _internal_code
-    torch_dir = _torch_dir or "\0"
+# ---- call sites ------------------------------------------------------------------------------
+#
+# A save's call site is the first frame outside torch and this package. What the save path
+# needs of it is learnt once per code object and instruction offset and then looked up by
+# id(code): a dict keyed by the code object itself hashes the code's constants (nested code
+# objects included) on every lookup, which cost more than the rest of the lookup; f_lineno
+# scans the code's line table from its start on every read. An entry holds its code object,
+# so the id cannot be reused by another code while the entry exists.
+#
+# _codes: id(code) -> (code, sites), sites None for torch's code and ours (the walk goes on to
+# the caller), else {f_lasti: site}; site = (code, line, its members as JSON text,
+# {path: heads}) -- heads being the save's frames' fixed text (see _heads).
+
+_codes: dict = {}
+_MAX_CODES = 4096           # beyond, a new code is looked at afresh on each save (slower)
+_MAX_SITES = 256            # instruction offsets kept per code
+_MAX_PATHS = 64             # paths kept per site (a job that names a new file per save gets
+                            # its heads built per save, as before any cache)
+_NO_SITE = (None, None, '"site":null,"func":null', {})
+
+
+def _site(frame):
+    """The site entry of the first frame outside torch and ckptwatch, else _NO_SITE."""
+    codes = _codes
     while frame is not None:
         code = frame.f_code
-        skip = internal.get(code)
-        if skip is None:
-            filename = code.co_filename
-            skip = (filename.startswith(torch_dir) or filename.startswith(_PACKAGE_PREFIX)
-                    or os.path.abspath(filename).startswith(_PACKAGE_PREFIX))
-            if len(internal) < 4096:
-                internal[code] = skip
-        if not skip:
-            return frame
+        known = codes.get(id(code))
+        if known is None:
+            known = _learn_code(code)
+        sites = known[1]
+        if sites is not None:
+            site = sites.get(frame.f_lasti)
+            if site is None:
+                site = _learn_site(code, frame.f_lasti, frame.f_lineno, sites)
+            return site
         frame = frame.f_back
-    return None
+    return _NO_SITE
 
 
+def _learn_code(code):
+    filename = code.co_filename
+    torch_dir = _torch_dir or "\0"
+    internal = (filename.startswith(torch_dir) or filename.startswith(_PACKAGE_PREFIX)
+                or os.path.abspath(filename).startswith(_PACKAGE_PREFIX))
+    known = (code, None if internal else {})
+    if len(_codes) < _MAX_CODES:
+        _codes[id(code)] = known
+    return known
+
+
+def _learn_site(code, lasti: int, line, sites: dict):
+    site = (code, line, events.json_members({"site": f"{code.co_filename}:{line}",
+                                             "func": code.co_name}), {})
+    if len(sites) < _MAX_SITES:
+        sites[lasti] = site
+    return site
+
+
+# ---- the frames ------------------------------------------------------------------------------
+#
 # The save path reports a save with two frames, each written to the agent's socket by the
 # saving thread itself (Emitter.record, ckptwatch/emitter.py): the start before torch.save runs,
 # so the save is on record before its first byte, and the end, which carries the start's times
 # too, as soon as torch.save returns or raises. A process that dies at any point leaves its
-# record in the agent's socket. `pending` = (identity, seq, path, code, line, wall, mono).
+# record in the agent's socket.
 #
-# The frames are written as JSON text from pre-encoded parts, because building a dict of 20
-# fields and json-encoding it per save cost more than the rest of the hook (issue 8, item 10):
-# the identity's members are encoded once per identity, a call site's once per (code, line),
-# and only seq, path, times, size and outcome are formatted per event. The text is what
-# events.encode() makes of the same event (the members' order aside); tests/unit/test_hook.py
-# decodes it against the dict.
+# Cost (issue 22, docs/performance.md): the frames are bytes formatted in one step from a
+# per-(site, path) head -- the identity's, the path's and the site's members, JSON-encoded once
+# (building a dict and json-encoding it per save cost more than the rest of the hook, issue 8
+# item 10) -- and integers only: times are sent as exact decimal exponents of integer clocks,
+# wall as microseconds ("1733389000123456e-6") and mono as nanoseconds ("12345000000001e-9"),
+# which every JSON parser reads as the same float as the fixed-point text they replace, for a
+# fraction of a float's formatting cost. Every number stays under 19 digits (the agent's codec
+# sends longer runs to its slow parser). A start and its end carry the very same text for the
+# start's times, so the agent pairs them exactly. tests/unit/test_hook.py decodes the frames
+# against the event dict the wire contract describes.
 
 _emitter = None
 
@@ -381,107 +425,116 @@ def _bind_emitter():
 
 _ident_members = (None, "")     # (identity dict, its members as JSON text): one slot, since
                                 # identity() returns the same dict until the identity changes
-_prefixes: dict = {}            # (path, code, line) -> (identity dict, prefix text): see _prefix
-_MAX_PREFIXES = 1024
 _json_str = events.json_str
+_pack_length = events.HEADER.pack
 
 
-def _prefix(pending) -> str:
-    """The members a save's start and end share except seq, as JSON text ending in '"seq":'.
-
-    Cached per (path, call site) for the current identity: a job saves to a few paths from a
-    few sites, so the save path formats only numbers (the end frame is built on the save
-    path: ckptwatch/emitter.py, "Cost")."""
+def _heads(site, path: str, ident):
+    """(identity, start head, end head): a save's frames up to their seq, as bytes, cached per
+    site and path for the current identity."""
     global _ident_members
-    ident, _seq, path, code, line = pending[:5]
-    key = (path, code, line)
-    cached = _prefixes.get(key)
-    if cached is not None and cached[0] is ident:
-        return cached[1]
     known = _ident_members
     if known[0] is ident:
         ident_text = known[1]
     else:
         ident_text = events.json_members(ident)
         _ident_members = (ident, ident_text)
-    site_text = events.json_members({
-        "site": f"{code.co_filename}:{line}" if code is not None else None,
-        "func": code.co_name if code is not None else None})
-    text = '%s,"path":%s,%s,"seq":' % (ident_text, _json_str(path), site_text)
-    if len(_prefixes) >= _MAX_PREFIXES:
-        _prefixes.clear()
-    _prefixes[key] = (ident, text)
-    return text
+    shared = '%s,"path":%s,%s,"seq":' % (ident_text, _json_str(path), site[2])
+    heads = (ident, ('{"v":%d,"type":"start",%s' % (SCHEMA_VERSION, shared)).encode("ascii"),
+             ('{"v":%d,"type":"end",%s' % (SCHEMA_VERSION, shared)).encode("ascii"))
+    cache = site[3]
+    if len(cache) >= _MAX_PATHS:
+        cache.clear()
+    cache[path] = heads
+    return heads
 
 
 _start_extra = ""       # ',"notices":true' under the warn policy (see want_notices)
+_extra = b""            # the same, as bytes, for the frames
 
 
 def want_notices() -> None:
     """Mark every start and end event from now on as "this process reads notices"
     (events.py): an agent may learn of a save from either (its start may be refused)."""
-    global _start_extra
+    global _start_extra, _extra
     _start_extra = ',"notices":true'
+    _extra = _start_extra.encode("ascii")
 
 
-# Times as fixed-point text: wall to the microsecond, mono to the nanosecond (the clocks' own
-# resolution), at half the cost of the shortest float repr. A start and its end carry the very
-# same text for the start's times, so the agent pairs them exactly.
-_START = '{"v":%d,"type":"start",%%s%%d,"wall":%%.6f,"mono":%%.9f%%s}' % SCHEMA_VERSION
-_END = ('{"v":%d,"type":"end",%%s%%d,"wall":%%.6f,"mono":%%.9f,"start_wall":%%.6f,'
-        '"start_mono":%%.9f,"bytes":%%s,"outcome":%%s%%s}' % SCHEMA_VERSION)
-_OK = _json_str("ok")
+_START = b'%s%d,"wall":%de-6,"mono":%de-9%s}'
+_END_OK = (b'%s%d,"wall":%de-6,"mono":%de-9,"start_wall":%de-6,"start_mono":%de-9,'
+           b'"bytes":%d,"outcome":"ok"%s}')
+_END = (b'%s%d,"wall":%de-6,"mono":%de-9,"start_wall":%de-6,"start_mono":%de-9,'
+        b'"bytes":%s,"outcome":%s%s}')
 
 
-def _start_frame(pending) -> bytes:
-    return events.frame((_START % (_prefix(pending), pending[1], pending[5], pending[6],
-                                   _start_extra)).encode("ascii"))
+def _start_frame(heads, seq: int, wall_us: int, mono_ns: int) -> bytes:
+    payload = _START % (heads[1], seq, wall_us, mono_ns, _extra)
+    if len(payload) > events.MAX_FRAME_BYTES:
+        raise ValueError("event too large")      # counted as an error; the save goes on
+    return _pack_length(len(payload)) + payload
 
 
-def _end_frame(pending, wall, mono, size, outcome) -> bytes:
-    return events.frame((_END % (
-        _prefix(pending), pending[1], wall, mono, pending[5], pending[6],
-        "null" if size is None else size, _OK if outcome == "ok" else _json_str(outcome),
-        _start_extra)).encode("ascii"))
+def _end_frame(heads, seq: int, wall_us: int, mono_ns: int, start_wall_us: int,
+               start_mono_ns: int, size, outcome: str) -> bytes:
+    if outcome == "ok" and type(size) is int:
+        payload = _END_OK % (heads[2], seq, wall_us, mono_ns, start_wall_us, start_mono_ns,
+                             size, _extra)
+    else:
+        payload = _END % (heads[2], seq, wall_us, mono_ns, start_wall_us, start_mono_ns,
+                          b"null" if size is None else b"%d" % size,
+                          _json_str(outcome).encode("ascii"), _extra)
+    if len(payload) > events.MAX_FRAME_BYTES:
+        raise ValueError("event too large")      # counted as an error; the save goes on
+    return _pack_length(len(payload)) + payload
+
+
+def _pending(ident, seq, path, site, wall_us, mono_ns):
+    """The save as job scope takes it: (identity, seq, path, code, line, wall, mono), times as
+    floats equal to what the agent reads from the frames (int / int is correctly rounded, as
+    is a JSON parser's reading of the exponent text)."""
+    return (ident, seq, path, site[0], site[1], wall_us / 1000000, mono_ns / 1000000000)
 
 
 def _begin(args, kwargs):
+    """Report a save's start; (heads, seq, path, file object, wall us, mono ns, pending for
+    job scope or None) for _finish, or None when the save is not reported."""
     f = args[1] if len(args) > 1 else kwargs.get("f")
-    target = _target_path(f)
-    if not target:
-        if target is None:
-            _counters["unreported"] += 1
-        return None
-    path, fileobj = target
-    frame = _caller(sys._getframe(2))
-    if frame is None:
-        code = line = None
+    if (type(f) is str and f[:1] == "/" and "/." not in f and "//" not in f
+            and f[-1:] != "/"):
+        path, fileobj = f, None              # the common case: _absolute's fast path, inline
     else:
-        code = frame.f_code
-        site = (code, frame.f_lasti)
-        line = _lines.get(site)
-        if line is None:
-            line = frame.f_lineno
-            if len(_lines) >= 4096:
-                _lines.clear()
-            _lines[site] = line
-    pending = (identity(), next(_seq), path, code, line, time.time(), time.monotonic())
-    (_emitter or _bind_emitter()).record(_start_frame(pending))     # before the first byte
+        target = _target_path(f)
+        if not target:
+            if target is None:
+                _counters["unreported"] += 1
+            return None
+        path, fileobj = target
+    site = _site(sys._getframe(2))
+    ident = identity()
+    heads = site[3].get(path)
+    if heads is None or heads[0] is not ident:
+        heads = _heads(site, path, ident)
+    seq = next(_seq)
+    wall_us, mono_ns = time.time_ns() // 1000, time.monotonic_ns()
+    (_emitter or _bind_emitter()).record(_start_frame(heads, seq, wall_us, mono_ns))  # before
+    pending = None                                                      # the first byte
     if _jobscope is not None:
+        pending = _pending(ident, seq, path, site, wall_us, mono_ns)
         _jobscope.started(pending)                       # job scope: a deque append
     _counters["reported"] += 1
-    return pending, fileobj
+    return heads, seq, path, fileobj, wall_us, mono_ns, pending
 
 
 def _finish(started, outcome: str) -> None:
     try:
-        pending, fileobj = started
-        wall, mono = time.time(), time.monotonic()
+        heads, seq, path, fileobj, start_wall_us, start_mono_ns, pending = started
+        wall_us, mono_ns = time.time_ns() // 1000, time.monotonic_ns()
         if fileobj is None:
             # If another process rewrote the file meanwhile, the size is theirs; exact
             # per-writer sizes under a collision are the filesystem watcher's job.
             try:
-                size = os.stat(pending[2]).st_size
+                size = os.stat(path).st_size
             except OSError:
                 size = None
         else:
@@ -491,8 +544,9 @@ def _finish(started, outcome: str) -> None:
                 size = None
             if not isinstance(size, int):
                 size = None
-        (_emitter or _bind_emitter()).record(_end_frame(pending, wall, mono, size, outcome))
-        if _jobscope is not None:
-            _jobscope.ended(pending, wall, mono, outcome)   # job scope: a deque append
+        (_emitter or _bind_emitter()).record(_end_frame(
+            heads, seq, wall_us, mono_ns, start_wall_us, start_mono_ns, size, outcome))
+        if pending is not None and _jobscope is not None:
+            _jobscope.ended(pending, wall_us / 1000000, mono_ns / 1000000000, outcome)
     except Exception:
         _counters["errors"] += 1

@@ -526,20 +526,44 @@ def test_event_frames_decode_to_the_documented_fields():
     code = test_event_frames_decode_to_the_documented_fields.__code__
     cases = [("/ckpt/\u00fcber \"q\"\\x\n.pt", code, 17), ("/ckpt/bad-\udcff.pt", None, None)]
     for seq, (path, code_, line) in enumerate(cases, 1):
-        pending = (ident, seq, path, code_, line, 1700000000.123456, 12345.000001)
-        start = events.decode(hook._start_frame(pending)[4:])
-        site = f"{code_.co_filename}:{line}" if code_ else None
+        site = (code_, line, events.json_members(
+            {"site": f"{code_.co_filename}:{line}" if code_ else None,
+             "func": code_.co_name if code_ else None}), {})
+        heads = hook._heads(site, path, ident)
+        # Times go as integer clocks with a decimal exponent; they must read as the floats
+        # the fixed-point text they replace read as, and as job scope's copies of them.
+        wall_us, mono_ns = 1700000000123456, 12345000001000
+        start = events.decode(hook._start_frame(heads, seq, wall_us, mono_ns)[4:])
+        site_text = f"{code_.co_filename}:{line}" if code_ else None
         func = code_.co_name if code_ else None
-        expected = dict(ident, v=1, type="start", seq=seq, path=path, site=site, func=func,
-                        wall=1700000000.123456, mono=12345.000001)
+        expected = dict(ident, v=1, type="start", seq=seq, path=path, site=site_text,
+                        func=func, wall=1700000000.123456, mono=12345.000001)
         assert start == expected
-        for size, outcome in ((4096, "ok"), (None, "OSError")):
-            frame = hook._end_frame(pending, 1700000001.5, 12346.25, size, outcome)
+        pending = hook._pending(ident, seq, path, site, wall_us, mono_ns)
+        assert pending == (ident, seq, path, code_, line, 1700000000.123456, 12345.000001)
+        for size, outcome in ((4096, "ok"), (None, "OSError"), (None, "ok"), (7, 'K"\u2603')):
+            frame = hook._end_frame(heads, seq, 1700000001500000, 12346250000000, wall_us,
+                                    mono_ns, size, outcome)
             end = events.decode(frame[4:])
             assert end == dict(expected, type="end", wall=1700000001.5, mono=12346.25,
                                start_wall=1700000000.123456, start_mono=12345.000001,
                                bytes=size, outcome=outcome)
             assert len(frame) - 4 == events.HEADER.unpack(frame[:4])[0]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_time_texts_read_as_the_correctly_rounded_floats(seed):
+    # The frames' "Ne-6" / "Ne-9" texts and job scope's N / 10**k must be one float.
+    import json
+    import random
+    from ckptwatch import hook
+    rng = random.Random(seed)
+    for _ in range(2000):
+        wall_us, mono_ns = rng.randrange(10 ** 15, 10 ** 16), rng.randrange(1, 10 ** 18)
+        pending = hook._pending({}, 1, "/p", hook._NO_SITE, wall_us, mono_ns)
+        fixed_point = f"{wall_us // 10 ** 6}.{wall_us % 10 ** 6:06d}"     # the old text
+        assert json.loads(f"{wall_us}e-6") == pending[5] == json.loads(fixed_point)
+        assert json.loads(f"{mono_ns}e-9") == pending[6]
 
 
 def test_an_instrumented_save_loads_only_stdlib_and_ckptwatch_modules(rx, sock, workdir):

@@ -197,13 +197,15 @@ def test_control_characters_from_a_notice_are_escaped_and_texts_are_cut(caplog):
 def test_the_hook_trusts_only_sites_it_reported_saves_from(tmp_path):
     from ckptwatch import hook
     code = compile("x = 1\n", str(tmp_path / "train.py"), "exec")
-    hook._prefixes[("/ckpt/a.pt", code, 7)] = (None, "")
+    assert hook._own_site(f"{tmp_path}/train.py:7") is None
+    known = hook._learn_code(code)                  # as a save from line 7 of it does
+    hook._learn_site(code, 2, 7, known[1])
     try:
         assert hook._own_site(f"{tmp_path}/train.py:7") == f"{tmp_path}/train.py:7"
         assert hook._own_site(f"{tmp_path}/train.py:8") is None
         assert hook._own_site("/dev/zero:1") is None
     finally:
-        hook._prefixes.pop(("/ckpt/a.pt", code, 7), None)
+        hook._codes.pop(id(code), None)
 
 
 # ---- the notice contract -----------------------------------------------------------------
