@@ -453,7 +453,7 @@ def _begin(args, kwargs):
     pending = (identity(), next(_seq), path, code, line, time.time(), time.monotonic())
     (_emitter or _bind_emitter()).record(_start_frame(pending))     # before the first byte
     if _jobscope is not None:
-        _jobscope.started(pending)                       # job scope: a deque append
+        _jobscope.started(pending)                       # job scope: never waits
     _counters["reported"] += 1
     return pending, fileobj
 
@@ -478,6 +478,6 @@ def _finish(started, outcome: str) -> None:
                 size = None
         (_emitter or _bind_emitter()).record(_end_frame(pending, wall, mono, size, outcome))
         if _jobscope is not None:
-            _jobscope.ended(pending, wall, mono, outcome)   # job scope: a deque append
+            _jobscope.ended(pending, wall, mono, outcome, size)   # job scope: never waits
     except Exception:
         _counters["errors"] += 1

@@ -313,6 +313,8 @@ class Agent:
                 return
             self.publish(items)
         elif kind == "hazard":
+            if self.job_scope.not_this_bug(event, self.detector.local_writers(event["path"])):
+                return
             finding = self.job_scope.hazard(event)
             if finding is not None:
                 self.publish([finding])        # exported, and noticed to its writer (warn)
