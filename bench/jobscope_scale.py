@@ -51,8 +51,13 @@ def _server(conn) -> None:
     del store
 
 
-def _ranks(conn, port: int, ranks: list, window: float, per_node: int) -> None:
-    """One process of simulated ranks: a JobScope each, driven by commands from the bench."""
+def _ranks(conn, port: int, ranks: list, window: float, per_node: int,
+           stagger: float) -> None:
+    """One process of simulated ranks: a JobScope each, driven by commands from the bench.
+    The ranks connect `stagger` seconds apart: torch 2.13's TCPStore server stalls (every
+    client, the job's own too, for seconds) when more than ~50 connections arrive in a burst
+    (measured here with torch's own client: the 49th times out), so a burst of 1,024 would
+    measure that stall, not job scope."""
     from ckptwatch.jobscope import JobScope
     from ckptwatch.sharedfs import SharedPaths
     shared = SharedPaths({"CKPTWATCH_SHARED_PATHS": SHARED})
@@ -66,8 +71,9 @@ def _ranks(conn, port: int, ranks: list, window: float, per_node: int) -> None:
         sink = events.setdefault(rank, [])
         scopes.append((rank, ident, JobScope("127.0.0.1", port, ident, window=window,
                                              emit=sink.append, shared=shared,
-                                             connect_budget=300.0, op_timeout=30.0).start()))
-    deadline = time.monotonic() + 300
+                                             connect_budget=600.0, op_timeout=30.0).start()))
+        time.sleep(stagger)
+    deadline = time.monotonic() + 600
     while any(s.state != "active" for _, _, s in scopes) and time.monotonic() < deadline:
         time.sleep(0.05)
     conn.send(("ready", sum(s.state == "active" for _, _, s in scopes)))
@@ -187,6 +193,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--window", type=float, default=4.0)
     ap.add_argument("--loops", type=int, default=2)
+    ap.add_argument("--connect-rate", type=float, default=20.0,
+                    help="new connections per second, all processes together")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     if args.ranks % args.nodes:
@@ -208,7 +216,8 @@ def main(argv=None) -> int:
     for i in range(args.procs):
         conn, child = ctx.Pipe()
         ranks = list(range(i, args.ranks, args.procs))
-        p = ctx.Process(target=_ranks, args=(child, port, ranks, args.window, per_node),
+        p = ctx.Process(target=_ranks, args=(child, port, ranks, args.window, per_node,
+                                             args.procs / args.connect_rate),
                         daemon=True)
         p.start()
         workers.append((p, conn))
