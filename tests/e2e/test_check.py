@@ -260,6 +260,7 @@ def test_github_actions_example_runs_the_pre_merge_script():
                                                 "github-actions.yml")))
     steps = [s for job in workflow["jobs"].values() for s in job["steps"]]
     assert any("docs/examples/pre-merge-check.sh" in s.get("run", "") for s in steps)
-    readme = open(os.path.join(REPO_ROOT, "README.md")).read()
-    assert "## CI gate: ckptwatch check" in readme
-    assert "docs/examples/pre-merge-check.sh" in readme
+    page = open(os.path.join(REPO_ROOT, "docs", "check.md")).read()
+    assert "## CI gate: ckptwatch check" in page
+    assert "examples/pre-merge-check.sh" in page
+    assert "docs/check.md" in open(os.path.join(REPO_ROOT, "README.md")).read()

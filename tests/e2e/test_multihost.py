@@ -350,11 +350,19 @@ ATOMIC_SAVER = r'''
 import json, os, socket, sys, time
 import torch
 from ckptwatch import atomic
-path, start_at, saves, truth = sys.argv[1], float(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+path, writers, saves, truth = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 me = socket.gethostname()
 gen = torch.Generator().manual_seed(len(me))
 state = {"writer": me, "w": torch.rand(1024, 1024, generator=gen)}
-time.sleep(max(0.0, start_at - time.time()))
+# Start together, however long each host took to get here (a loaded machine can take many
+# seconds to import torch): each says it is ready, then waits until every writer is.
+open(f"{truth}.ready.{me}", "w").close()
+ready = os.path.dirname(truth) or "."
+deadline = time.monotonic() + 120
+while sum(n.startswith(os.path.basename(truth) + ".ready.") for n in os.listdir(ready)) < writers:
+    if time.monotonic() > deadline:
+        sys.exit("the other writers never became ready")
+    time.sleep(0.005)
 with open(truth, "a") as log:
     for i in range(saves):
         state["i"] = i
@@ -369,16 +377,14 @@ def test_atomic_policy_leaves_one_whole_file_on_sshfs(cluster, agents):
     """CKPTWATCH_POLICY=atomic on both hosts, the same path saved 4 times by each at the same
     moments: sshfs renames through OpenSSH's posix-rename (rename(2) on the server), so the
     last rename wins whole; no temporary file is left behind."""
-    import time
     name = f"atomic-{uuid.uuid4().hex[:8]}"
     path = os.path.join(cluster.shared, name, "last.pt")
     os.makedirs(os.path.join(cluster.export, name))
     truth = os.path.join(cluster.root, f"{name}.jsonl")
-    start_at = time.time() + 8           # both started and torch imported by then
     env = {k: v for k, v in os.environ.items() if not k.startswith("CKPTWATCH_")}
     env.update({"CKPTWATCH_POLICY": "atomic", "OMP_NUM_THREADS": "1"})
     procs = [host.popen([sys.executable, "-m", "monitor.cli", "run", "--socket", agent.socket,
-                         "--", sys.executable, "-c", ATOMIC_SAVER, path, str(start_at), "4",
+                         "--", sys.executable, "-c", ATOMIC_SAVER, path, str(len(cluster.hosts)), "4",
                          truth], env=env, cwd=REPO_ROOT, stdin=subprocess.DEVNULL,
                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for host, agent in zip(cluster.hosts, agents)]
