@@ -543,6 +543,15 @@ class JobScope:
 
     # ---- exit -----------------------------------------------------------------------------
 
+    def _everyone_out(self, deadline: float) -> bool:
+        """Has every rank of the job (WORLD_SIZE) counted itself out? True too when the count
+        is not ours to read (garbage: nothing to wait for) or the world size is unknown."""
+        world = self.ident.get("world_size")
+        if type(world) is not int:
+            return True
+        value = self._client.get(exit_key(self.prefix), EXIT_COUNT_LIMIT, READ_BUDGET, deadline)
+        return value is None or not value.isdigit() or int(value) >= world
+
     def _exit(self) -> None:
         """Count ourselves out; if we wrote within the last window, wait (bounded) until every
         rank has, then read our paths once more and wait for our groups to close."""
@@ -556,21 +565,18 @@ class JobScope:
                   if own.done and self._clock() <= own.until]
         if not recent:
             return
-        world = self.ident.get("world_size")
-        delay = 0.01
-        while type(world) is int and self._clock() < deadline:
-            value = self._client.get(exit_key(self.prefix), EXIT_COUNT_LIMIT, READ_BUDGET,
-                                     deadline)
-            if value is None or not value.isdigit() or int(value) >= world:
-                break                   # everyone is out (or the count is not ours to read)
-            time.sleep(min(delay, max(0.0, deadline - self._clock())))
-            delay = min(delay * 2, 0.25)
+        # Read (and report) at once, then again while a group of ours is open or a rank has
+        # not counted itself out: what is known reaches the agent while it still holds our
+        # write, and what comes later is added as it comes.
         delay = FOLLOW_FIRST
-        while recent and self._clock() < deadline:
-            recent = [own for own in recent if self._read(own)]
-            if recent:
-                time.sleep(min(delay, max(0.0, deadline - self._clock())))
-                delay = min(delay * 2, FOLLOW_MAX)
+        while True:
+            still_open = False
+            for own in recent:
+                still_open = self._read(own) or still_open
+            if self._clock() >= deadline or (not still_open and self._everyone_out(deadline)):
+                break
+            time.sleep(min(delay, max(0.0, deadline - self._clock())))
+            delay = min(delay * 2, FOLLOW_MAX)
         self.exit_waited = self._clock() - started
 
 
