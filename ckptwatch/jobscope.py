@@ -55,6 +55,7 @@ import collections
 import heapq
 import logging
 import os
+import random
 import sys
 import threading
 import time
@@ -90,6 +91,9 @@ MAX_OWN = 4096              # own writes followed at once; beyond, announced but
 POLL_FIRST = 0.25           # first re-read of a path others may write, then doubling
 FOLLOW_FIRST, FOLLOW_MAX = 0.05, 1.0     # re-reads while a group holding ours is open
 CLEAN_AFTER = 2.0           # windows after our end before the log may be deleted
+READ_SPREAD = 0.5           # seconds: the end's read of a path no other rank is expected to
+                            # write is spread over this (a thousand ranks end a checkpoint
+                            # together: their reads must not reach the store as one burst)
 COMPACT_BYTES = 16384       # a log longer than this sheds its stale head when cleaned
 READ_BUDGET = 8 << 20       # bytes one read may pull and throw away (an oversized value)
 EXIT_COUNT_LIMIT = 32       # bytes of the exit count's value we read
@@ -387,9 +391,11 @@ class JobScope:
             return
         own.ew, own.em, own.done, own.shared = wall, mono, True, shared
         own.until = mono + self.window
-        own.clean_at = mono + CLEAN_AFTER * self.window + 1.0
+        own.clean_at = mono + CLEAN_AFTER * self.window + 1.0 \
+            + random.uniform(0.0, 0.25 * self.window)
         if self.state == STATE_ACTIVE:
-            self._schedule(own, self._clock())
+            now = self._clock()
+            self._schedule(own, now if own.watched else now + random.uniform(0.0, READ_SPREAD))
         else:
             # No store (yet, or any more): the one rule that needs none, on our write alone.
             self._judge_guard(own, self._logged_self(own), [])
