@@ -116,8 +116,12 @@ def test_two_nodes_learn_each_others_overlapping_write_and_name_the_hazards(job_
     wait_for(lambda: a.active() and b.active() and c.active(), message="connected")
     path = os.path.join(SHARED, "last.pt")
     pa, pb, pc = a.begin(path), b.begin(path), c.begin(path)
-    # Each start went to the store from the caller's thread (no reply to wait for): they are
-    # in the log before any end, whatever the scheduler does with the scopes' threads.
+    # The three starts are in the log before any end is sent: they overlap in the store's
+    # order. (Sent within microseconds on three connections, a start and an end could reach
+    # the server in either order: the ordering tolerance.)
+    key = torch_key(log_key(run_prefix(a.ident), path_hash(path)))
+    wait_for(lambda: job_store.check([key]) and job_store.get(key).count(b'"k":"s"') == 3,
+             message="the three starts in the log")
     for rank, pending in ((a, pa), (b, pb), (c, pc)):
         rank.end(pending)
     wait_for(lambda: a.of_type("remote") and len(b.of_type("remote")) == 2,
