@@ -125,7 +125,7 @@ def store_traffic(saves: int) -> dict:
                        time.monotonic())
             seq_scope.started(pending)
             seq_scope.ended(pending, time.time(), time.monotonic(), "ok")
-        while any(s._queue for s in scopes):
+        while any(s._frames or s._notes for s in scopes):
             time.sleep(0.0005)
         if i % 100 == 0:
             peak = max(peak, server.num_keys())

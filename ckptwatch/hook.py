@@ -521,7 +521,7 @@ def _begin(args, kwargs):
     pending = None                                                      # the first byte
     if _jobscope is not None:
         pending = _pending(ident, seq, path, site, wall_us, mono_ns)
-        _jobscope.started(pending)                       # job scope: a deque append
+        _jobscope.started(pending)                       # job scope: never waits
     _counters["reported"] += 1
     return heads, seq, path, fileobj, wall_us, mono_ns, pending
 
@@ -547,6 +547,7 @@ def _finish(started, outcome: str) -> None:
         (_emitter or _bind_emitter()).record(_end_frame(
             heads, seq, wall_us, mono_ns, start_wall_us, start_mono_ns, size, outcome))
         if pending is not None and _jobscope is not None:
-            _jobscope.ended(pending, wall_us / 1000000, mono_ns / 1000000000, outcome)
+            _jobscope.ended(pending, wall_us / 1000000, mono_ns / 1000000000, outcome,
+                            size)                               # never waits
     except Exception:
         _counters["errors"] += 1

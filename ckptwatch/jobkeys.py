@@ -1,121 +1,284 @@
-"""Job scope's key scheme and overlap maths: what the ranks of one job write to its store, and
-how a rank reads another's write back into its own time base (the "remote" event). Pure: no store, no thread, no
-clock (ckptwatch/jobscope.py is the thread that uses them).
+"""Job scope's store layout, write log and overlap rules: what the ranks of one job write to its
+store, how a rank reads the others' writes back, and how it places them in its own time base
+(the "remote" event). Pure: no store, no thread, no clock (ckptwatch/jobscope.py is the thread
+that uses them).
 
 Loaded into training processes: standard library only.
 
-Keys (all under our prefix, never the job's): PREFIX = "ckptwatch/<run>" with run = a hash of
+Keys (all under our prefix, never the job's): PREFIX = "/ckptwatch/2/<run>" with run = a hash of
 (job id, MASTER_ADDR:MASTER_PORT when the job id is "none" or unknown, restart count), so an
-elastic restart is a new run and two static-rendezvous jobs never share keys.
-  PREFIX/t                  ticket counter: store.add(1) gives a job-wide order of events
-  PREFIX/<h>/<e>/n          slot counter of path hash h in epoch e (e = start wall // WINDOW)
-  PREFIX/<h>/<e>/<i>        slot i: one write's JSON record (written at start, again at end)
-A rank finds the others' writes of its path by reading the slot counter of the epochs around
-its write (a compare_set that does not create the key) and then only those slots: O(writers of
-that path), not O(keys). Deletion: each writer deletes its own slot DELETE_AFTER windows after
-its write ended; the writer of slot 1 deletes the epoch's counter once the epoch is three
-windows old; a reader deletes slots it finds more than two windows old (their writer exited).
-So the store holds keys for the writes of the last ~2 windows, whatever the number of saves.
+elastic restart is a new run and two static-rendezvous jobs never share keys. (The leading "/"
+is the one torch's own TCPStore client puts before every key, so the job's tools see ours as
+they see theirs.)
+  PREFIX/p/<h>    the write log of the path whose hash is h: every write of the path by any
+                  rank appends one start line and one end line (APPEND: no reply, no counter)
+  PREFIX/x        how many ranks have announced everything they wrote and are exiting (ADD)
 
-Overlap across nodes (design.md, "concurrent collision") is decided on store tickets, not on
-wall clocks: every start and end announcement takes a ticket from PREFIX/t, and the store
-serialises them, so A and B overlapped iff A.start_ticket < B.end_ticket and B.start_ticket <
-A.end_ticket. A ticket is taken when the thread announces, a thread wake-up and one round trip
-(~0.1-1 ms) after the save's real start or end: overlaps shorter than that may be judged
-one-after-another (a redundant write instead of a concurrent one; either is reported). Without
-both tickets (a start made before the connection), wall clocks decide as they are.
+The write log is the store's own order of the path's starts and ends: APPENDs to one key are
+applied one after another, so every rank that reads the log reads the same lines in the same
+order. Two writes overlap when each started before the other ended in that order -- a rule
+every reader applies to the same data, so every node's agent reaches the same verdict and the
+same group of writers. A line reaches the store one network trip after the save's start or end
+(the hook hands it to the kernel before the save's first byte: ckptwatch/jobscope.py), so an
+overlap or a gap shorter than that trip may be ordered either way: the ordering tolerance
+(docs/decisions.md, "Job scope v2").
+
+Line format: "\\n" + a JSON object + "\\n" (the empty lines around it keep a stray partial line
+someone else appended from running into ours). The first non-empty line may be a base line
+{"k":"b","n":N} left by compaction: positions then start at N, so a compacted log keeps the
+positions its lines had. Every value read from a log is typed, bounded and escaped here before
+anything else sees it: the job's store is input we do not control.
 """
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 
-from ckptwatch.events import SCHEMA_VERSION, WRITER_FIELDS
+from ckptwatch.events import SCHEMA_VERSION
 from ckptwatch.jobrun import job_run
 
 EPS = 1e-6
-RECORD_WRITER_FIELDS = tuple(f for f in WRITER_FIELDS if f not in ("job", "master", "restart"))
-MAX_RECORD_BYTES = 16384        # a slot value longer than this is not a record of ours
+LAYOUT_VERSION = 2
+MAX_LOG_BYTES = 256 * 1024      # a longer log is not read (counted: "oversized")
+MAX_LINE_BYTES = 4096           # a longer line is not a record of ours
+MAX_WRITES = 2048               # writes parsed from one log
+MAX_NODE, MAX_SITE, MAX_FUNC, MAX_OUTCOME, MAX_SHARED = 256, 1024, 256, 64, 256
+MAX_INT = 1 << 62
+
+INF = float("inf")
 
 
 def run_prefix(ident: dict) -> str:
-    """ckptwatch/<16 hex>: the store keys of one job run (ckptwatch.jobrun.job_run). Job scope
-    starts only with MASTER_ADDR:MASTER_PORT set, so its run always has a name."""
+    """/ckptwatch/2/<16 hex>: the store keys of one job run (ckptwatch.jobrun.job_run). Job
+    scope starts only with MASTER_ADDR:MASTER_PORT set, so its run always has a name."""
     run = job_run(ident.get("job"), ident.get("master"), ident.get("restart"))
     text = "\0".join(map(str, run)) if run is not None else ""
-    return "ckptwatch/" + hashlib.sha1(text.encode("utf-8", "surrogatepass")).hexdigest()[:16]
+    digest = hashlib.sha1(text.encode("utf-8", "surrogatepass")).hexdigest()[:16]
+    return f"/ckptwatch/{LAYOUT_VERSION}/{digest}"
 
 
 def path_hash(path: str) -> str:
     return hashlib.sha1(path.encode("utf-8", "surrogatepass")).hexdigest()[:16]
 
 
-def epoch(wall: float, window: float) -> int:
-    """The epoch a write that started at `wall` announces itself in."""
-    return int(wall // window)
+def log_key(prefix: str, h: str) -> str:
+    return f"{prefix}/p/{h}"
 
 
-def ticket_key(prefix: str) -> str:
-    return f"{prefix}/t"
+def exit_key(prefix: str) -> str:
+    return f"{prefix}/x"
 
 
-def counter_key(prefix: str, h: str, epoch_: int) -> str:
-    return f"{prefix}/{h}/{epoch_}/n"
+# ---- lines ------------------------------------------------------------------------------
+
+def _line(obj: dict) -> bytes:
+    return b"\n" + json.dumps(obj, separators=(",", ":"), allow_nan=False).encode(
+        "ascii") + b"\n"
 
 
-def slot_key(prefix: str, h: str, epoch_: int, slot: int) -> str:
-    return f"{prefix}/{h}/{epoch_}/{slot}"
+def start_line(ident: dict, seq: int, code, line, wall: float) -> bytes:
+    """The start of our write `seq`: who writes, from where, when (our wall clock)."""
+    return _line({"k": "s", "n": ident.get("node"), "p": ident.get("pid"), "q": seq,
+                  "r": ident.get("rank"), "l": ident.get("local_rank"),
+                  "ws": ident.get("world_size"), "lws": ident.get("local_world_size"),
+                  "nr": ident.get("node_rank"), "w": _micro(wall),
+                  "site": f"{code.co_filename}:{line}" if code is not None else None,
+                  "func": code.co_name if code is not None else None})
 
 
-def slot_record(ident: dict, seq: int, path: str, code, line, wall: float) -> dict:
-    """A write's record at its start, as other ranks read it from its slot: the writer, the
-    call site, the start wall; the end's fields (ew, te, bytes, outcome) and the tickets are
-    filled in as the thread learns them."""
-    # The writer's own fields (WRITER_FIELDS less the job run's, which every reader of the
-    # job's store shares: remote_event adds the reader's own).
-    rec = {name: ident.get(name) for name in RECORD_WRITER_FIELDS}
-    rec.update({"seq": seq, "path": path,
-            "site": f"{code.co_filename}:{line}" if code is not None else None,
-            "func": code.co_name if code is not None else None,
-            "shared": None, "sw": wall, "ew": None, "ts": None, "te": None,
-            "bytes": None, "outcome": None})
-    return rec
+def end_line(ident: dict, seq: int, wall: float, size, outcome: str, shared) -> bytes:
+    """The end of our write `seq`: when, how many bytes, how it ended, and why this node sees
+    the path as shared storage (None: it does not)."""
+    return _line({"k": "e", "n": ident.get("node"), "p": ident.get("pid"), "q": seq,
+                  "w": _micro(wall), "b": size, "o": outcome, "sh": shared})
 
 
-def encode_record(rec: dict) -> str:
-    return json.dumps(rec, separators=(",", ":"))
+def _micro(wall: float) -> float:
+    # The hook's events carry walls to the microsecond ("%.6f"): the log carries the same
+    # numbers, so every agent holds one value for one write's start.
+    return float(f"{wall:.6f}")
 
 
-def decode_record(value) -> dict | None:
-    """A slot's value as a record; None when absent, oversized or not a JSON object (another
-    rank's store is input we do not control)."""
-    if value is None or len(value) > MAX_RECORD_BYTES:
+def base_line(n: int) -> bytes:
+    return _line({"k": "b", "n": n})
+
+
+def clean_text(value, limit: int):
+    """A string from the store as we may show it: at most `limit` characters, control
+    characters (C0, DEL, C1) written as \\xNN; None for anything that is not a string."""
+    if type(value) is not str:
+        return None
+    value = value[:limit]
+    if value.isprintable():
+        return value
+    return "".join(c if c.isprintable() or c == " " else f"\\x{ord(c):02x}"
+                   if ord(c) < 256 else f"\\u{ord(c):04x}" for c in value)
+
+
+def _int(value, low: int = -1):
+    return value if type(value) is int and low <= value <= MAX_INT else None
+
+
+def _wall(value):
+    return float(value) if type(value) in (int, float) and math.isfinite(value) \
+        and 0 <= value < 1e11 else None
+
+
+class LoggedWrite:
+    """One write as the log tells it: who, where, start and end (wall and position)."""
+
+    __slots__ = ("node", "pid", "seq", "rank", "local_rank", "world_size",
+                 "local_world_size", "node_rank", "site", "func", "sw", "ew", "ts", "te",
+                 "bytes", "outcome", "shared")
+
+    def __init__(self, rec: dict, pos: int):
+        self.node, self.pid, self.seq = rec["n"], rec["p"], rec["q"]
+        self.rank, self.local_rank = _int(rec.get("r")), _int(rec.get("l"))
+        self.world_size, self.local_world_size = _int(rec.get("ws")), _int(rec.get("lws"))
+        self.node_rank = _int(rec.get("nr"))
+        self.site = clean_text(rec.get("site"), MAX_SITE)
+        self.func = clean_text(rec.get("func"), MAX_FUNC)
+        self.sw, self.ts = rec["w"], pos
+        self.ew = self.te = self.bytes = self.outcome = self.shared = None
+
+    @property
+    def key(self) -> tuple:
+        return (self.node, self.pid, self.seq)
+
+    @property
+    def done(self) -> bool:
+        return self.te is not None
+
+    def writer(self) -> dict:
+        return {"node": self.node, "pid": self.pid, "rank": self.rank,
+                "local_rank": self.local_rank, "world_size": self.world_size,
+                "local_world_size": self.local_world_size, "node_rank": self.node_rank}
+
+
+def parse_log(value: bytes) -> list:
+    """The writes a log holds, in the order of their starts (LoggedWrite; ts/te are the
+    positions of their start and end lines). Lines that are not ours are skipped but keep
+    their position: every reader numbers the same bytes the same way."""
+    writes: dict[tuple, LoggedWrite] = {}
+    pos = 0
+    first = True
+    for raw in value.split(b"\n"):
+        if not raw:
+            continue
+        pos += 1
+        rec = _record(raw)
+        if first:
+            first = False
+            if rec is not None and rec.get("k") == "b" and _int(rec.get("n"), 0) is not None:
+                pos = rec["n"]
+                continue
+        if rec is None:
+            continue
+        kind = rec.get("k")
+        node, pid, seq = rec.get("n"), _int(rec.get("p"), 1), _int(rec.get("q"), 0)
+        wall = _wall(rec.get("w"))
+        if type(node) is not str or not node or len(node) > MAX_NODE or pid is None \
+                or seq is None or wall is None:
+            continue
+        key = (node, pid, seq)
+        if kind == "s":
+            if key not in writes and len(writes) < MAX_WRITES:
+                rec["n"] = clean_text(node, MAX_NODE)
+                rec["w"] = wall
+                writes[key] = LoggedWrite(rec, pos)
+        elif kind == "e":
+            w = writes.get(key)
+            if w is not None and w.te is None:
+                w.te, w.ew = pos, max(wall, w.sw)
+                w.bytes = _int(rec.get("b"), 0)
+                w.outcome = clean_text(rec.get("o"), MAX_OUTCOME) or "ok"
+                w.shared = clean_text(rec.get("sh"), MAX_SHARED)
+    return list(writes.values())
+
+
+def compacted(value: bytes, stale) -> bytes | None:
+    """The log without its longest prefix of lines that are stale(key) or not records of a
+    write (a base line keeps the positions of the lines left); None when nothing is stale."""
+    lines = [raw for raw in value.split(b"\n") if raw]
+    pos, start = 0, 0
+    for i, raw in enumerate(lines):
+        rec = _record(raw)
+        if i == 0 and rec is not None and rec.get("k") == "b" \
+                and _int(rec.get("n"), 0) is not None:
+            pos = rec["n"]
+            start = 1
+            continue
+        key = None if rec is None else (rec.get("n"), rec.get("p"), rec.get("q"))
+        if key is not None and not stale(key):
+            break
+        pos += 1
+        start = i + 1
+    else:
+        return b""
+    if start == 0 or (start == 1 and lines and _record(lines[0]) is not None
+                      and _record(lines[0]).get("k") == "b"):
+        return None
+    return base_line(pos) + b"".join(b"\n" + raw + b"\n" for raw in lines[start:])
+
+
+def _record(raw: bytes):
+    if len(raw) > MAX_LINE_BYTES or raw[:1] != b"{":
         return None
     try:
-        rec = json.loads(value)
+        rec = json.loads(raw)
     except (ValueError, RecursionError):
         return None
-    return rec if isinstance(rec, dict) else None
+    return rec if type(rec) is dict else None
 
 
-def related(own: dict, rec: dict, window: float) -> bool:
-    """Does the write `rec` (another rank's record) fall within a window of our write `own`
-    (our record: sw, ew)? Only those can form a collision with it."""
-    sw, ew = rec.get("sw"), rec.get("ew")
-    if not isinstance(sw, (int, float)):
-        return False
-    end = ew if isinstance(ew, (int, float)) else sw
-    mine_start, mine_end = own["sw"], own["ew"] or own["sw"]
-    return sw <= mine_end + window and end >= mine_start - window
+# ---- the store's order ----------------------------------------------------------------------
+
+def overlaps(a: LoggedWrite, b: LoggedWrite) -> bool:
+    """Did a and b overlap in the store's order (each started before the other ended)?"""
+    a_end = a.te if a.te is not None else INF
+    b_end = b.te if b.te is not None else INF
+    return a.ts < b_end and b.ts < a_end
+
+
+def group_of(writes: list, mine: LoggedWrite) -> list:
+    """The maximal group of transitively overlapping writes (store order) holding `mine`."""
+    ordered = sorted(writes, key=lambda w: w.ts)
+    group: list = []
+    stop = -INF
+    for w in ordered:
+        end = w.te if w.te is not None else INF
+        if group and w.ts < stop:
+            group.append(w)
+            stop = max(stop, end)
+        else:
+            if any(g is mine for g in group):
+                return group
+            group, stop = [w], end
+    return group if any(g is mine for g in group) else [mine]
+
+
+def group_open(group: list) -> bool:
+    """A group is final once all of its writes have ended: any later start comes after every
+    end in the store's order, so it can no longer join."""
+    return any(w.te is None for w in group)
+
+
+def related(mine: LoggedWrite, other: LoggedWrite, window: float) -> bool:
+    """Is `other` within a collision window of `mine` (walls, each node's own clock)? Only
+    those can form a collision with it; the window is a minute, clock skew a fraction."""
+    mine_end = mine.ew if mine.ew is not None else mine.sw
+    other_end = other.ew if other.ew is not None else other.sw
+    return other.sw <= mine_end + window and other_end >= mine.sw - window
 
 
 def place_remote(own: dict, remote: dict) -> tuple[float, float, bool | None]:
     """A remote write's interval in this process's monotonic time base, and whether it
-    overlapped our write by the store's ticket order (None: tickets unknown, walls decide).
+    overlapped our write in the store's order (None: positions unknown, walls decide).
 
     own: sw, sm (our start wall / mono), ew, em, ts, te; remote: sw, ew, ts, te. The walls are
     mapped through our own wall-mono offset, then moved the least needed to agree with the
-    ticket order, so the agent's detector (which compares intervals) reaches the same verdict.
+    store's order, so the agent's detector (which compares intervals) reaches the same verdict.
     """
     offset = own["sw"] - own["sm"]
     rs = remote["sw"] - offset
@@ -143,27 +306,21 @@ def place_remote(own: dict, remote: dict) -> tuple[float, float, bool | None]:
     return rs, re_, overlap
 
 
-def remote_event(mine: dict, sm: float, em: float, rec: dict, ident: dict,
-                 wall: float) -> dict | None:
-    """The "remote" event (ckptwatch/events.py) that tells our agent about another rank's
-    finished write `rec` of the path of our write `mine` (our record; sm, em: its monotonic
-    start and end), placed in our time base; None if `rec` is not a finished write's record."""
-    if not (isinstance(rec.get("ew"), (int, float)) and isinstance(rec.get("sw"), (int, float))
-            and type(rec.get("pid")) is int and type(rec.get("seq")) is int
-            and isinstance(rec.get("node"), str)):
-        return None
-    own = {"sw": mine["sw"], "sm": sm, "ew": mine["ew"], "em": em, "ts": mine["ts"],
-           "te": mine["te"]}
-    start_mono, end_mono, overlap = place_remote(own, rec)
-    writer = {name: rec.get(name) for name in RECORD_WRITER_FIELDS}
+def remote_event(ident: dict, seq: int, path: str, sm: float, em: float, mine: LoggedWrite,
+                 other: LoggedWrite, wall: float) -> dict:
+    """The "remote" event (ckptwatch/events.py) that tells our agent about another node's
+    finished write `other` of the path of our write `mine` (sm, em: its monotonic start and
+    end), placed in our time base by the store's order."""
+    own = {"sw": mine.sw, "sm": sm, "ew": mine.ew, "em": em, "ts": mine.ts, "te": mine.te}
+    start_mono, end_mono, overlap = place_remote(
+        own, {"sw": other.sw, "ew": other.ew, "ts": other.ts, "te": other.te})
+    writer = other.writer()
     writer.update(job=ident.get("job"), master=ident.get("master"),
                   restart=ident.get("restart"))
-    return {"v": SCHEMA_VERSION, "type": "remote", "node": mine["node"],
-            "pid": mine["pid"], "seq": mine["seq"], "path": mine["path"],
-            "wall": wall, "writer": writer, "wseq": rec["seq"],
-            "start_wall": rec["sw"], "end_wall": rec["ew"], "start_mono": start_mono,
-            "end_mono": end_mono, "bytes": rec.get("bytes"),
-            "outcome": rec.get("outcome") if isinstance(rec.get("outcome"), str)
-            else "ok",
-            "site": rec.get("site"), "func": rec.get("func"), "overlap": overlap,
-            "shared": rec.get("shared")}
+    return {"v": SCHEMA_VERSION, "type": "remote", "node": ident["node"], "pid": ident["pid"],
+            "seq": seq, "path": path, "wall": wall, "writer": writer, "wseq": other.seq,
+            "start_wall": other.sw, "end_wall": other.ew, "start_mono": start_mono,
+            "end_mono": end_mono, "bytes": other.bytes, "outcome": other.outcome,
+            "site": other.site, "func": other.func, "overlap": overlap,
+            "shared": other.shared}
+

@@ -1,41 +1,61 @@
 """Job scope: the ranks of one torch.distributed job tell each other about their saves through
-the job's own store, so writes of one path from different nodes are seen by every node's agent.
+the job's own store, so writes of one path from different nodes are seen by every node's agent,
+and every agent that sees them tells the same story.
 
-Loaded into training processes: standard library, plus the process's own torch (imported here
-only in the background thread, and only in a process that torch.save was patched in, i.e. that
-has imported torch already). Started by the hook's install() when the environment describes a
-distributed job that spans nodes (MASTER_ADDR, MASTER_PORT, RANK and WORLD_SIZE all set, and
-LOCAL_WORLD_SIZE, when set, smaller than WORLD_SIZE: a single-node job has nothing to learn).
+Loaded into training processes: standard library only. Started by the hook's install() when
+the environment describes a distributed job that spans nodes (MASTER_ADDR, MASTER_PORT, RANK
+and WORLD_SIZE all set, and LOCAL_WORLD_SIZE, when set, smaller than WORLD_SIZE: a single-node
+job has nothing to learn).
 
 What runs where:
-- The save path calls started() and ended(): each appends a tuple to a bounded deque (dropped
-  and counted when full) and, only if the thread is idle, sets an Event. It never touches the
-  store, never waits, never raises.
-- One daemon thread owns everything else: its OWN client connection to the job's store
-  (torch.distributed.TCPStore(host, port, is_master=False, wait_for_workers=False) — never the
-  job's store object, which the training thread owns), the announcements, the reads, the
-  deletions, the reports to the local agent (through the process's emitter, as "remote",
-  "hazard" and "jobscope" events: ckptwatch/events.py).
-- Connection: a plain TCP probe first (a refused or silent port costs no C++ error spam and at
-  most PROBE_TIMEOUT), then the TCPStore client. Retried with backoff for CONNECT_BUDGET
-  seconds (ranks may start before the store is up); then job scope is disabled for the process.
-  Any failing or timed-out store operation (a slow or gone store) disables it too. Disabling is
-  logged once, counted (stats()) and reported to the agent as a "jobscope" event.
+- The save path calls started() and ended(). Each builds one APPEND of one line to the path's
+  write log (ckptwatch/jobkeys.py) and hands it to the kernel on our store connection without
+  waiting (ckptwatch/storewire.py, StoreClient.push: a non-blocking send under a lock taken
+  only if free); when that cannot be done at once, the line is queued for the thread, after
+  any line queued before it. So a save's start is on its way to the store before its first
+  byte, and a process that exits or dies right after its save has still announced it. The
+  save path never reads from the store, never waits, never raises.
+- One daemon thread owns everything else: the connection (torch's TCPStore wire protocol in
+  pure Python, every operation with a deadline, every value bounded as it is read: no C++ call
+  that could block past its timeout or abort the process at interpreter shutdown), the queued
+  lines, the reads of the logs, the reports to the local agent (through the process's emitter,
+  as "remote", "hazard" and "jobscope" events: ckptwatch/events.py), the clean-up.
 
-The key scheme, the slot records and the overlap maths on store tickets are
-ckptwatch/jobkeys.py (pure); the hazard rules are ckptwatch/jobhazards.py (pure). This module is
-the thread around them: the queue, the store connection, the reads, the reports, the deletions.
+Reads (each a GET of one path's log, the only reads job scope makes):
+- at the end of each of our writes;
+- while the group of overlapping writes that holds ours is open (a write in it has not ended):
+  after FOLLOW_FIRST, doubling up to FOLLOW_MAX, until it closes (at most a window);
+- on a path that does not name our rank or node, or that another rank wrote too (a path some
+  other rank may write later: a redundant write we must hear of), after POLL_FIRST, doubling,
+  until a window after our end: about log2(window / POLL_FIRST) reads, not one per poll tick;
+- at exit (below), and once 2 windows after our end, to delete (or compact) the log when every
+  write in it is that old.
+So a rank makes, per write: 2 APPENDs + 1 GET + 2 for clean-up, plus at most
+1 + ceil(log2(window / POLL_FIRST)) GETs when the path is one others may write, plus the
+follow reads while an overlapping write is open. docs/performance.md has the measured figures.
+
+At exit (atexit, before the emitter's own exit flush): the thread sends what is queued, adds 1
+to the run's exit count, and -- when it wrote within the last window -- waits until every rank
+of the job has done the same (WORLD_SIZE ranks: each has announced all it wrote), then reads
+its paths' logs once more and waits for the groups of its writes to close. All of that within
+exit_wait (CKPTWATCH_JOBSCOPE_EXIT_WAIT, default EXIT_WAIT) in all: a rank that crashed or
+does not run job scope costs the others that wait, once; a store that stalls costs at most
+that, and never the exit status.
+
+Failure: the store is reached within CONNECT_BUDGET (retried with backoff; ranks may start
+before it), or job scope is disabled. An operation that fails or passes its deadline, a server
+that does not speak the protocol we know, or a value over the read budget disables it too.
+Disabling is logged once (a fixed text), counted (stats()) and reported to the agent as a
+"jobscope" event; node-scope detection goes on.
 """
 from __future__ import annotations
 
 import atexit
 import collections
-import datetime
 import heapq
-import importlib
 import logging
 import os
-import socket
+import random
 import sys
 import threading
 import time
@@ -43,10 +63,12 @@ import time
 from ckptwatch import emitter as _emitter_mod
 from ckptwatch import jobhazards
 from ckptwatch.events import SCHEMA_VERSION
-from ckptwatch.jobkeys import (counter_key, decode_record, encode_record, epoch, path_hash,
-                               related, remote_event, run_prefix, slot_key,
-                               slot_record, ticket_key)
-from ckptwatch.sharedfs import SharedPaths
+from ckptwatch.jobkeys import (LoggedWrite, compacted, end_line, exit_key, group_of,
+                               group_open, log_key, parse_log, path_hash, related,
+                               remote_event, run_prefix, start_line, MAX_LOG_BYTES,
+                               MAX_SHARED, MAX_NODE, clean_text)
+from ckptwatch.sharedfs import SharedPaths, names_rank_or_node
+from ckptwatch.storewire import StoreClient, StoreError, append_frame
 
 log = logging.getLogger("ckptwatch.jobscope")
 
@@ -55,21 +77,26 @@ STORE_PORT_ENV = "CKPTWATCH_STORE_PORT"      # our client's port (default MASTER
 STORE_HOST_ENV = "CKPTWATCH_STORE_HOST"      # our client's host (default MASTER_ADDR)
 WINDOW_ENV = "CKPTWATCH_JOBSCOPE_WINDOW"     # seconds; the collision window (default 60)
 CONNECT_BUDGET_ENV = "CKPTWATCH_JOBSCOPE_CONNECT_TIMEOUT"
+EXIT_WAIT_ENV = "CKPTWATCH_JOBSCOPE_EXIT_WAIT"
 REQUIRED_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")
 
 WINDOW = 60.0
 CONNECT_BUDGET = 60.0       # seconds of retrying before job scope is disabled
-PROBE_TIMEOUT = 1.0
+CONNECT_TIMEOUT = 2.0       # one connection attempt (TCP, validate, ping)
 OP_TIMEOUT = 5.0            # one store operation; longer = a slow store: disabled
-EXIT_TIMEOUT = 1.0          # at exit, wait this long at most for other ranks' ends
+EXIT_WAIT = 10.0            # at exit, at most this long for the other ranks and open groups
 BACKOFF_MIN, BACKOFF_MAX = 0.1, 2.0
-MAX_QUEUE = 4096
-MAX_SLOTS_READ = 64         # slots read per path and epoch: the latest ones
-MAX_WATCHED = 256           # own recent writes whose path is re-read for later writers
-MAX_PENDING_DELETES = 100_000
-DELETE_AFTER = 2.0          # windows after a write's end before its slot is deleted
-POLL_FIRST, POLL_MAX, POLL_IN_FLIGHT = 0.2, 5.0, 0.2
-_ABSENT = "\x00ckptwatch-absent"   # compare_set(key, X, X) returns X when key is absent
+MAX_QUEUE = 4096            # notes (and queued lines) waiting for the thread
+MAX_OWN = 4096              # own writes followed at once; beyond, announced but not followed
+POLL_FIRST = 0.25           # first re-read of a path others may write, then doubling
+FOLLOW_FIRST, FOLLOW_MAX = 0.05, 1.0     # re-reads while a group holding ours is open
+CLEAN_AFTER = 2.0           # windows after our end before the log may be deleted
+READ_SPREAD = 0.5           # seconds: the end's read of a path no other rank is expected to
+                            # write is spread over this (a thousand ranks end a checkpoint
+                            # together: their reads must not reach the store as one burst)
+COMPACT_BYTES = 16384       # a log longer than this sheds its stale head when cleaned
+READ_BUDGET = 8 << 20       # bytes one read may pull and throw away (an oversized value)
+EXIT_COUNT_LIMIT = 32       # bytes of the exit count's value we read
 
 STATE_CONNECTING, STATE_ACTIVE, STATE_DISABLED = "connecting", "active", "disabled"
 
@@ -83,26 +110,31 @@ def _env_float(environ, name: str, default: float) -> float:
 
 
 class _Own:
-    """One of our writes: its slot, its tickets, and what was learnt about its path."""
+    """One of our writes, followed until its log is cleaned up."""
 
-    __slots__ = ("seq", "path", "h", "epoch", "slot", "key", "rec", "sm", "em", "done",
-                 "reported", "read_upto", "in_flight", "ranks", "nodes", "shared",
-                 "next_poll", "delay", "until", "in_flight_seen")
+    __slots__ = ("seq", "path", "key", "ident", "site", "func", "sw", "sm", "ew", "em",
+                 "shared", "done",
+                 "reported", "watched", "next_read", "poll_at", "follow", "until",
+                 "clean_at", "ranks", "nodes", "shared_seen", "judged_guard")
 
-    def __init__(self, seq, path, h, epoch):
-        self.seq, self.path, self.h, self.epoch = seq, path, h, epoch
-        self.slot = self.key = None
-        self.rec: dict = {}
-        self.sm = self.em = None
+    def __init__(self, pending, key: str):
+        ident, self.seq, self.path, code, line, self.sw, self.sm = pending
+        self.ident, self.key = ident, key
+        self.site = f"{code.co_filename}:{line}" if code is not None else None
+        self.func = code.co_name if code is not None else None
+        self.ew = self.em = self.shared = None
         self.done = False
-        self.reported: dict = {}        # remote key -> True once reported with its end
-        self.read_upto: dict = {}       # epoch -> highest slot index read so far
-        self.in_flight: set = set()     # slot keys of other writes seen in flight: read again
-        self.ranks: set = set()         # ranks known to write the path (hazard)
+        self.reported: set = set()     # (node, pid, seq) of other writes reported
+        self.watched = not names_rank_or_node(self.path, ident.get("rank"), ident.get("node"))
+        self.next_read = None
+        self.poll_at = POLL_FIRST       # next watch read, seconds after our end
+        self.follow = FOLLOW_FIRST
+        self.until = 0.0                # mono: watching ends
+        self.clean_at = 0.0
+        self.ranks: set = set()
         self.nodes: set = set()
-        self.shared = None
-        self.next_poll = self.delay = self.until = 0.0
-        self.in_flight_seen = False
+        self.shared_seen = None         # why some writer of the path sees it shared
+        self.judged_guard = False
 
 
 class JobScope:
@@ -110,60 +142,98 @@ class JobScope:
 
     def __init__(self, host: str, port: int, ident: dict, *, window: float = WINDOW,
                  connect_budget: float = CONNECT_BUDGET, op_timeout: float = OP_TIMEOUT,
-                 exit_timeout: float = EXIT_TIMEOUT, emit=None, shared: SharedPaths | None = None,
+                 exit_wait: float = EXIT_WAIT, emit=None, shared: SharedPaths | None = None,
                  clock=time.monotonic, wall=time.time):
         self.host, self.port = host, int(port)
         self.ident = dict(ident)
         self.window = float(window)
         self.prefix = run_prefix(ident)
         self._connect_budget, self._op_timeout = connect_budget, op_timeout
-        self._exit_timeout = exit_timeout
+        self._exit_wait = exit_wait
         self._emit_fn = emit
         self._shared = shared or SharedPaths()
         self._clock, self._wall = clock, wall
-        self._queue: collections.deque = collections.deque()
+        self._client = StoreClient(host, port, op_timeout=op_timeout, clock=clock)
+        self._frames: collections.deque = collections.deque()   # lines not yet sent, in order
+        self._notes: collections.deque = collections.deque()    # what the thread must know
+        self._keys: dict = {}                                   # path -> its log key
         self._wake = threading.Event()
         self._idle = True
         self._stopping = False
         self._exiting = False
         self._forked = False
         self._thread: threading.Thread | None = None
-        self._store = None
         self.state = STATE_CONNECTING
         self.reason: str | None = None
         self._started_at = clock()
         self._next_connect = 0.0
         self._backoff = BACKOFF_MIN
-        self._own: dict[int, _Own] = {}              # seq -> our write (until its slot goes)
-        self._watch: list = []                       # heap (next_poll, seq)
-        self._deletes: list = []                     # heap (due, order, seq or stale key)
-        self._delete_order = 0
+        self._last_connect_error = "no attempt yet"
+        self._own: dict[int, _Own] = {}          # seq -> our write, until its log is cleaned
+        self._due: list = []                     # heap (mono, order, seq)
+        self._order = 0
         self._hazards = jobhazards.Reported()
-        self._own_keys: set = set()                  # our live slot keys: never read back
-        self.counters = {"announced": 0, "unannounced": 0, "dropped": 0, "remote_reported": 0,
-                         "hazards": 0, "store_ops": 0, "store_bytes": 0, "errors": 0,
-                         "deleted": 0}
+        self.exit_waited = None                  # seconds the exit waited (stats)
+        self.counters = {"announced": 0, "queued": 0, "dropped": 0, "remote_reported": 0,
+                         "hazards": 0, "reads": 0, "oversized": 0, "unlogged": 0,
+                         "errors": 0, "deleted": 0, "compacted": 0, "unfollowed": 0}
 
-    # ---- caller side (the save path): a deque append, never blocks, never raises ----------
+    # ---- caller side (the save path): never waits, never raises ---------------------------
 
     def started(self, pending) -> None:
-        self._put(("s", pending))
-
-    def ended(self, pending, wall: float, mono: float, outcome: str) -> None:
-        self._put(("e", pending, wall, mono, outcome))
-
-    def _put(self, item) -> None:
         try:
             if self._forked or self._stopping:
                 return
-            if len(self._queue) >= MAX_QUEUE:
+            if len(self._notes) >= MAX_QUEUE:
                 self.counters["dropped"] += 1
                 return
-            self._queue.append(item)
+            ident, seq, path, code, line, wall, _ = pending
+            if self.state != STATE_DISABLED:
+                self._announce(append_frame(self._key(path),
+                                            start_line(ident, seq, code, line, wall)))
+            self._notes.append(("s", pending))
             if self._idle:
                 self._wake.set()
         except Exception:
             self.counters["errors"] += 1
+
+    def ended(self, pending, wall: float, mono: float, outcome: str, size=None) -> None:
+        try:
+            if self._forked or self._stopping:
+                return
+            if len(self._notes) >= MAX_QUEUE:
+                self.counters["dropped"] += 1
+                return
+            ident, seq, path = pending[0], pending[1], pending[2]
+            shared = self._shared.shared(path)
+            if self.state != STATE_DISABLED:
+                self._announce(append_frame(self._key(path), end_line(
+                    ident, seq, wall, size if type(size) is int else None, outcome, shared)))
+            self._notes.append(("e", pending, wall, mono, outcome, shared))
+            if self._idle:
+                self._wake.set()
+        except Exception:
+            self.counters["errors"] += 1
+
+    def _key(self, path: str) -> str:
+        key = self._keys.get(path)
+        if key is None:
+            if len(self._keys) >= MAX_OWN:
+                self._keys.clear()
+            key = self._keys[path] = log_key(self.prefix, path_hash(path))
+        return key
+
+    def _announce(self, data: bytes) -> None:
+        # Straight to the kernel when nothing is queued before it (order: a write's end never
+        # overtakes its start), else after what is queued.
+        if not self._frames and self._client.push(data):
+            self.counters["announced"] += 1
+            return
+        if len(self._frames) >= MAX_QUEUE:
+            self.counters["dropped"] += 1
+            return
+        self._frames.append(data)
+        self.counters["queued"] += 1
 
     # ---- control --------------------------------------------------------------------------
 
@@ -174,71 +244,67 @@ class JobScope:
         return self
 
     def stats(self) -> dict:
-        return dict(self.counters, state=self.state, queued=len(self._queue),
-                    own_slots=len(self._own))
+        return dict(self.counters, state=self.state, queued_now=len(self._frames),
+                    own=len(self._own), store_ops=self._client.ops,
+                    store_bytes=self._client.bytes_out + self._client.bytes_in,
+                    exit_waited=self.exit_waited)
 
     def close(self, timeout: float | None = None) -> None:
-        """At exit: finish what is queued and, connected, wait up to exit_timeout for the
-        ends of other ranks' writes of our paths that are still in flight, then stop."""
+        """At exit: send what is queued, count ourselves out, and wait (bounded: exit_wait)
+        for the other ranks' announcements and the ends of writes overlapping ours."""
         thread = self._thread
         if thread is None or self._forked or self._stopping:
             return
+        if self.state == STATE_CONNECTING:
+            self._disable(f"never reached the store at {self.host}:{self.port}")
         if self.state != STATE_ACTIVE:
-            if self.state == STATE_CONNECTING:
-                self._disable(f"never reached the store at {self.host}:{self.port}")
             self._stopping = True
             self._wake.set()
             return
         self._exiting = True
         self._wake.set()
-        thread.join(self._exit_timeout + 0.5 if timeout is None else timeout)
+        thread.join(self._exit_wait + 1.0 if timeout is None else timeout)
         self._stopping = True
         self._wake.set()
 
     def after_fork_in_child(self) -> None:
         # A forked child (a DataLoader worker) must not share our store connection or thread.
         self._forked = True
-        self._store = None
-        self._queue = collections.deque()
+        self._client = StoreClient(self.host, self.port)
+        self._frames = collections.deque()
+        self._notes = collections.deque()
 
     # ---- the thread -----------------------------------------------------------------------
 
     def _run(self) -> None:
-        exit_deadline = None
         while not self._stopping:
             try:
-                if self._store is None and self.state == STATE_CONNECTING:
+                if self.state == STATE_CONNECTING:
                     self._try_connect()
-                self._drain_queue()
-                now = self._clock()
+                if self.state == STATE_ACTIVE:
+                    self._send_queued(self._clock() + self._op_timeout)
+                self._drain_notes()
                 if self._exiting:
-                    if exit_deadline is None:
-                        exit_deadline = now + self._exit_timeout
-                        for own in self._own.values():
-                            own.next_poll = now
-                    pending = self._poll_due(now, exiting=True)
-                    if not pending or now >= exit_deadline or self._store is None:
-                        break
-                    time.sleep(0.05)
-                    continue
-                self._poll_due(now)
-                self._delete_due(now)
-                self._sleep(now)
+                    self._exit()
+                    break
+                self._reads_due(self._clock())
+                self._sleep(self._clock())
+            except StoreError as exc:
+                self._disable(f"store operation failed: {exc.reason}")
             except Exception:
                 self.counters["errors"] += 1
                 time.sleep(BACKOFF_MIN)
 
     def _sleep(self, now: float) -> None:
         due = now + 1.0
-        if self._watch:
-            due = min(due, self._watch[0][0])
-        if self._deletes:
-            due = min(due, self._deletes[0][0])
+        if self._due:
+            due = min(due, self._due[0][0])
         if self.state == STATE_CONNECTING:
             due = min(due, self._next_connect)
         self._idle = True
         self._wake.clear()
-        if not self._queue and not self._stopping and not self._exiting:
+        if not self._notes and not self._frames and not self._stopping \
+                and not self._exiting:
             self._wake.wait(max(0.0, due - now))
         self._idle = False
 
@@ -250,26 +316,17 @@ class JobScope:
             return
         if now - self._started_at > self._connect_budget:
             self._disable(f"store {self.host}:{self.port} unreachable for "
-                          f"{self._connect_budget:.0f}s")
+                          f"{self._connect_budget:.0f}s ({self._last_connect_error})")
             return
         try:
-            with socket.create_connection((self.host, self.port), timeout=PROBE_TIMEOUT):
-                pass
-        except OSError:
+            self._client.connect(min(CONNECT_TIMEOUT, self._op_timeout))
+        except StoreError as exc:
+            self._last_connect_error = exc.reason
+            if exc.permanent:
+                self._disable(f"store {self.host}:{self.port}: {exc.reason}")
+                return
             self._next_connect = self._clock() + self._backoff
             self._backoff = min(self._backoff * 2, BACKOFF_MAX)
-            return
-        try:
-            # The process's own torch, found (or, at worst, finished importing) by name in
-            # this thread: ckptwatch never imports torch statically (pyproject contracts).
-            dist = sys.modules.get("torch.distributed") or importlib.import_module(
-                "torch.distributed")
-            self._store = dist.TCPStore(self.host, self.port, None, False,
-                                   datetime.timedelta(seconds=self._op_timeout),
-                                   wait_for_workers=False)
-        except Exception as exc:
-            self._disable(f"cannot open a client of the store at {self.host}:{self.port}: "
-                          f"{type(exc).__name__}")
             return
         self.state = STATE_ACTIVE
         self._send_state()
@@ -277,9 +334,10 @@ class JobScope:
     def _disable(self, reason: str) -> None:
         if self.state == STATE_DISABLED:
             return
-        self.state, self.reason, self._store = STATE_DISABLED, reason, None
-        self._watch.clear()
-        self._deletes.clear()
+        self.state, self.reason = STATE_DISABLED, reason
+        self._client.close()
+        self._frames.clear()
+        self._due.clear()
         log.warning("ckptwatch: job scope disabled in pid %d: %s (node-scope detection goes "
                     "on)", os.getpid(), reason)
         self._send_state()
@@ -298,270 +356,234 @@ class JobScope:
         except Exception:
             self.counters["errors"] += 1
 
-    # ---- store operations (every one counted; any failure disables job scope) -------------
+    def _send_queued(self, deadline: float) -> None:
+        frames = self._frames
+        while frames:
+            self._client.send(frames[0], deadline)
+            frames.popleft()
+            self.counters["announced"] += 1
 
-    def _op(self, name: str, *args):
-        store = self._store
-        if store is None:
-            raise _Unavailable()
-        self.counters["store_ops"] += 1
-        self.counters["store_bytes"] += sum(len(a) for a in args if isinstance(a, (str, bytes)))
-        try:
-            result = getattr(store, name)(*args)
-        except Exception as exc:
-            self._disable(f"store operation {name} failed: {type(exc).__name__}")
-            raise _Unavailable() from None
-        if isinstance(result, bytes):
-            self.counters["store_bytes"] += len(result)
-        elif isinstance(result, list):
-            self.counters["store_bytes"] += sum(len(r) for r in result if isinstance(r, bytes))
-        return result
+    # ---- notes from the save path ---------------------------------------------------------
 
-    def _peek(self, key: str) -> bytes | None:
-        """The value of key, or None when absent, without waiting and without creating it."""
-        value = self._op("compare_set", key, _ABSENT, _ABSENT)
-        return None if value == _ABSENT.encode() else value
-
-    # ---- queue items ----------------------------------------------------------------------
-
-    def _drain_queue(self) -> None:
-        queue = self._queue
-        while queue:
-            item = queue.popleft()
+    def _drain_notes(self) -> None:
+        notes = self._notes
+        while notes:
+            item = notes.popleft()
             try:
                 if item[0] == "s":
-                    self._announce_start(*item[1:])
+                    self._note_start(item[1])
                 else:
-                    self._announce_end(*item[1:])
-            except _Unavailable:
-                pass
+                    self._note_end(*item[1:])
+            except StoreError:
+                raise
             except Exception:
                 self.counters["errors"] += 1
 
-    def _announce_start(self, pending) -> None:
-        ident, seq, path, code, line, wall, mono = pending
-        own = _Own(seq, path, path_hash(path), epoch(wall, self.window))
-        own.sm = mono
-        own.rec = slot_record(ident, seq, path, code, line, wall)
-        if len(self._own) >= MAX_WATCHED * 16:
-            self.counters["unannounced"] += 1
+    def _note_start(self, pending) -> None:
+        if len(self._own) >= MAX_OWN:
+            self.counters["unfollowed"] += 1
             return
-        self._own[seq] = own
-        if self._store is None:
-            self.counters["unannounced"] += 1
-            return
-        own.rec["ts"] = self._op("add", ticket_key(self.prefix), 1)
-        own.rec["shared"] = self._shared.shared(path)
-        own.slot = self._op("add", counter_key(self.prefix, own.h, own.epoch), 1)
-        own.key = slot_key(self.prefix, own.h, own.epoch, own.slot)
-        self._op("set", own.key, encode_record(own.rec))
-        self._own_keys.add(own.key)
-        self.counters["announced"] += 1
+        self._own[pending[1]] = _Own(pending, self._key(pending[2]))
 
-    def _announce_end(self, pending, wall, mono, outcome) -> None:
-        seq, path = pending[1], pending[2]
-        own = self._own.get(seq)
-        if own is None:                       # its start was dropped: nothing to pair with
-            self._announce_start(pending)
+    def _note_end(self, pending, wall, mono, outcome, shared) -> None:
+        own = self._own.get(pending[1])
+        if own is None:
+            return
+        own.ew, own.em, own.done, own.shared = wall, mono, True, shared
+        own.until = mono + self.window
+        own.clean_at = mono + CLEAN_AFTER * self.window + 1.0 \
+            + random.uniform(0.0, 0.25 * self.window)
+        if self.state == STATE_ACTIVE:
+            now = self._clock()
+            self._schedule(own, now if own.watched else now + random.uniform(0.0, READ_SPREAD))
+        else:
+            # No store (yet, or any more): the one rule that needs none, on our write alone.
+            self._judge_guard(own, self._logged_self(own), [])
+            self._schedule(own, None)
+
+    # ---- reads ----------------------------------------------------------------------------
+
+    def _schedule(self, own: _Own, when) -> None:
+        if when is None:
+            when = own.clean_at if self.state == STATE_ACTIVE else None
+        if when is None:
+            self._own.pop(own.seq, None)
+            return
+        own.next_read = when
+        self._order += 1
+        heapq.heappush(self._due, (when, self._order, own.seq))
+
+    def _reads_due(self, now: float) -> None:
+        while self._due and self._due[0][0] <= now and self.state == STATE_ACTIVE:
+            when, _, seq = heapq.heappop(self._due)
             own = self._own.get(seq)
-            if own is None:
-                return
-            own.rec["ts"] = None              # taken late: it says nothing about the start
-        rec = own.rec
-        own.em, own.done = mono, True
-        rec["ew"], rec["outcome"] = wall, outcome
-        try:
-            rec["bytes"] = os.stat(path).st_size
-        except OSError:
-            pass
-        if rec["shared"] is None:
-            rec["shared"] = self._shared.shared(path)
-        self._check_local_rank_guard(own)
-        if self._store is None or own.key is None:
-            self._forget_later(own, wall)
+            if own is None or own.next_read != when:
+                continue
+            if now >= own.clean_at:
+                self._clean(own)
+                continue
+            self._schedule(own, self._next_read(own, self._read(own), now))
+
+    def _next_read(self, own: _Own, group_is_open: bool, now: float):
+        """When to read our write's log again: soon while its group is open, on the watch
+        schedule while a later write could still be a redundant one, else at clean-up."""
+        if group_is_open and now < own.until:
+            when = now + own.follow
+            own.follow = min(own.follow * 2, FOLLOW_MAX)
+            return when
+        if own.watched and own.em is not None and now < own.until:
+            while own.em + own.poll_at <= now:
+                own.poll_at *= 2
+            return min(own.em + own.poll_at, own.until)
+        return own.clean_at
+
+    def _logged_self(self, own: _Own) -> LoggedWrite:
+        ident = own.ident
+        mine = LoggedWrite({"n": ident.get("node"), "p": ident.get("pid"), "q": own.seq,
+                            "r": ident.get("rank"), "l": ident.get("local_rank"),
+                            "w": own.sw}, None)
+        mine.ew = own.ew
+        return mine
+
+    def _read(self, own: _Own) -> bool:
+        """Read our write's log, report what is new; True while the group holding our write
+        is open (a write in it has not ended)."""
+        value = self._client.get(own.key, MAX_LOG_BYTES, READ_BUDGET)
+        self.counters["reads"] += 1
+        if value is None:
+            self.counters["oversized"] += 1      # not ours to read: someone filled it
+            own.watched = False
+            own.until = 0.0
+            return False
+        writes = parse_log(value)
+        ident = own.ident
+        mine_key = (clean_text(ident.get("node"), MAX_NODE), ident.get("pid"), own.seq)
+        mine = next((w for w in writes if w.key == mine_key), None)
+        if mine is None or mine.te is None:
+            # Our lines are not in the log (dropped, or cleaned by a rank that took the log
+            # for stale): judge on the walls.
+            self.counters["unlogged"] += 1
+            mine = self._logged_self(own)
+            others = [w for w in writes if w.key != mine_key]
+            group_is_open = False
+        else:
+            others = [w for w in writes if w is not mine]
+            group_is_open = group_open(group_of(writes, mine))
+        self._learn(own, mine, [w for w in others if related(mine, w, self.window)])
+        return group_is_open
+
+    def _learn(self, own: _Own, mine: LoggedWrite, others: list) -> None:
+        ident = own.ident
+        if others:
+            own.watched = True           # others write this path: later ones matter too
+        own.ranks.add(ident.get("rank"))
+        own.nodes.add(ident.get("node"))
+        node = ident.get("node")
+        for w in others:
+            own.ranks.add(w.rank)
+            own.nodes.add(w.node)
+            if own.shared_seen is None and w.shared:
+                own.shared_seen = clean_text(f"{w.node}: {w.shared}", MAX_SHARED)
+            if w.te is None or w.node == node or w.key in own.reported:
+                continue                 # in flight, or local (its own hook tells the agent)
+            own.reported.add(w.key)
+            self.counters["remote_reported"] += 1
+            self._emit(remote_event(ident, own.seq, own.path, own.sm, own.em, mine, w,
+                                    self._wall()))
+        if self._exiting or self._clock() >= own.em + POLL_FIRST or not own.watched:
+            # Judged once the ranks saving at about the same time have announced theirs
+            # (a watch read later than the end's), so "every rank writes" is told apart.
+            self._judge_guard(own, mine, others)
+        shared = own.shared or own.shared_seen
+        writers = jobhazards.shared_multi_writer(shared, own.ranks)
+        if writers is not None:
+            self._hazard(jobhazards.HAZARD_SHARED_MULTI_WRITER, own, shared, writers,
+                         [n for n in own.nodes if isinstance(n, str)])
+
+    def _judge_guard(self, own: _Own, mine: LoggedWrite, others: list) -> None:
+        if own.judged_guard:
             return
-        rec["te"] = self._op("add", ticket_key(self.prefix), 1)
-        self._op("set", own.key, encode_record(rec))
-        now = self._clock()
-        own.until = now + self.window
-        own.delay = POLL_FIRST
-        self._read_path(own, now)
-        self._schedule(own, now)
-        self._forget_later(own, wall)
+        own.judged_guard = True
+        shared = own.shared or own.shared_seen
+        if jobhazards.local_rank_guard(mine, own.path, shared, others):
+            self._hazard(jobhazards.HAZARD_LOCAL_RANK_GUARD, own, shared,
+                         [own.ident.get("rank")], [own.ident.get("node")])
 
-    def _forget_later(self, own: _Own, end_wall: float) -> None:
-        if len(self._deletes) >= MAX_PENDING_DELETES:
-            due, _, what = heapq.heappop(self._deletes)
-            self._delete_one(due, what)
-        self._push_delete(self._clock() + DELETE_AFTER * self.window, own.seq)
-
-    def _push_delete(self, due: float, what) -> None:
-        self._delete_order += 1
-        heapq.heappush(self._deletes, (due, self._delete_order, what))
-
-    # ---- hazards --------------------------------------------------------------------------
-
-    def _check_local_rank_guard(self, own: _Own) -> None:
-        rec = own.rec
-        if jobhazards.local_rank_guard(rec, own.path):
-            self._hazard(jobhazards.HAZARD_LOCAL_RANK_GUARD, own, [rec.get("rank")],
-                         [rec["node"]])
-
-    def _hazard(self, kind: str, own: _Own, ranks: list, nodes: list) -> None:
+    def _hazard(self, kind: str, own: _Own, shared: str, ranks: list, nodes: list) -> None:
         if not self._hazards.first(kind, own.path):
             return
         self.counters["hazards"] += 1
-        self._emit(jobhazards.hazard_event(kind, own.rec, own.seq, own.path, self.ident, ranks,
-                                           nodes, self._wall()))
+        self._emit(jobhazards.hazard_event(kind, own.ident, own.seq, own.path, own.site,
+                                           own.func, shared, ranks, nodes, self._wall()))
 
-    # ---- reading other ranks' writes ------------------------------------------------------
+    # ---- clean-up -------------------------------------------------------------------------
 
-    def _schedule(self, own: _Own, now: float) -> None:
-        if now >= own.until or len(self._watch) >= MAX_WATCHED:
+    def _clean(self, own: _Own) -> None:
+        """Delete the log when every write in it is old (CLEAN_AFTER windows), or drop its
+        stale head when it is long; then forget our write."""
+        self._own.pop(own.seq, None)
+        value = self._client.get(own.key, MAX_LOG_BYTES, READ_BUDGET)
+        if not value:
             return
-        delay = POLL_IN_FLIGHT if own.in_flight_seen else own.delay
-        own.next_poll = now + delay
-        own.delay = min(own.delay * 2, POLL_MAX)
-        heapq.heappush(self._watch, (own.next_poll, own.seq))
+        old = self._wall() - CLEAN_AFTER * self.window
+        # When each write was last heard of: its end, or its start while in flight.
+        heard = {w.key: (w.ew if w.ew is not None else w.sw) for w in parse_log(value)}
 
-    def _poll_due(self, now: float, exiting: bool = False) -> bool:
-        """Re-read the paths whose poll is due; True if some other write is still in flight."""
-        if exiting:
-            in_flight = False
-            for own in list(self._own.values()):
-                if own.done and own.key is not None and self._store is not None:
-                    try:
-                        self._read_path(own, now, force=True)
-                    except _Unavailable:
-                        return False
-                    in_flight = in_flight or own.in_flight_seen
-            return in_flight
-        while self._watch and self._watch[0][0] <= now:
-            _, seq = heapq.heappop(self._watch)
-            own = self._own.get(seq)
-            if own is None or own.next_poll > now:
-                continue
+        def stale(key) -> bool:
+            # A line that is not a write's (garbage) is stale too: compaction keeps the
+            # positions of what it keeps, so every reader still numbers them alike.
             try:
-                self._read_path(own, now)
-            except _Unavailable:
-                return False
-            self._schedule(own, now)
-        return False
+                return heard.get(key, -1.0) < old
+            except TypeError:           # an unhashable field: not ours
+                return True
 
-    def _read_path(self, own: _Own, now: float, force: bool = False) -> None:
-        """Read the slots of our path around our write's epoch that are new since the last
-        read (or were in flight then), other than our own; report what is new."""
-        keys = list(own.in_flight)
-        for epoch_ in (own.epoch - 1, own.epoch, own.epoch + 1):
-            raw = self._peek(counter_key(self.prefix, own.h, epoch_))
-            count = int(raw) if raw is not None and raw.isdigit() else 0
-            first = max(own.read_upto.get(epoch_, 0) + 1, count - MAX_SLOTS_READ + 1, 1)
-            own.read_upto[epoch_] = max(count, own.read_upto.get(epoch_, 0))
-            for i in range(first, count + 1):
-                key = slot_key(self.prefix, own.h, epoch_, i)
-                if key not in self._own_keys:
-                    keys.append(key)
-        if not keys:
-            return
-        records = self._get_many(keys)
-        own.in_flight_seen = False
-        own.in_flight = set()
-        ranks, nodes = own.ranks, own.nodes
-        ranks.add(own.rec["rank"])
-        nodes.add(own.rec["node"])
-        shared = own.shared = own.shared or own.rec["shared"]
-        wall_now = self._wall()
-        for key, rec in records:
-            if rec.get("path") != own.path:
-                continue                                 # a hash collision, or garbage
-            ew = rec.get("ew")
-            if isinstance(ew, (int, float)) and wall_now - ew > DELETE_AFTER * self.window:
-                self._delete_one(0.0, key)               # its writer is gone: clean up
-                continue
-            if not related(own.rec, rec, self.window):
-                continue
-            ranks.add(rec.get("rank"))
-            nodes.add(rec.get("node"))
-            shared = shared or rec.get("shared")
-            if ew is None:
-                own.in_flight_seen = True
-                own.in_flight.add(key)
-                continue
-            if rec.get("node") == own.rec["node"]:
-                continue            # a local writer: the agent hears it from its own hook
-            self._report_remote(own, rec)
-        own.shared = shared
-        writers = jobhazards.shared_multi_writer(shared, ranks)
-        if writers is not None:
-            self._hazard(jobhazards.HAZARD_SHARED_MULTI_WRITER, own, writers,
-                         [n for n in nodes if isinstance(n, str)])
-
-    def _get_many(self, keys: list) -> list:
-        """[(key, record)] of the keys that exist, each parsed and bounded."""
-        if not keys:
-            return []
-        if self._op("check", keys):
-            values = self._op("multi_get", keys)
-        else:
-            values = [self._peek(k) for k in keys]
-        out = []
-        for key, value in zip(keys, values):
-            rec = decode_record(value)
-            if rec is not None:
-                out.append((key, rec))
-        return out
-
-    def _report_remote(self, own: _Own, rec: dict) -> None:
-        rkey = (rec.get("node"), rec.get("pid"), rec.get("seq"))
-        if own.reported.get(rkey):
-            return
-        event = remote_event(own.rec, own.sm, own.em, rec, self.ident, self._wall())
-        if event is None:
-            return
-        own.reported[rkey] = True
-        self.counters["remote_reported"] += 1
-        self._emit(event)
-
-    # ---- deletion -------------------------------------------------------------------------
-
-    def _delete_due(self, now: float) -> None:
-        while self._deletes and self._deletes[0][0] <= now:
-            due, _, what = heapq.heappop(self._deletes)
-            self._delete_one(due, what)
-
-    def _delete_one(self, due, what) -> None:
-        """Delete our write `what` (a seq: its slot, and its epoch counter if we own it once
-        the epoch is three windows old) or a stale key (a str)."""
-        if isinstance(what, str):
-            try:
-                if self._op("delete_key", what):
-                    self.counters["deleted"] += 1
-            except _Unavailable:
-                pass
-            return
-        own = self._own.get(what)
-        if own is None:
-            return
-        if own.slot == 1 and self._wall() // self.window < own.epoch + 3:
-            # The epoch's counter goes with slot 1, once no writer can still pick the epoch.
-            self._push_delete(self._clock() + self.window, what)
-            return
-        self._own.pop(what, None)
-        self._own_keys.discard(own.key)
-        if own.key is None or self._store is None:
-            return
-        try:
-            if self._op("delete_key", own.key):
+        new = compacted(value, stale)
+        if new == b"":
+            # Racy by one round trip: an APPEND landing between our GET and DELETE is lost
+            # (its writer then judges on the walls: "unlogged").
+            if self._client.delete_key(own.key):
                 self.counters["deleted"] += 1
-            if own.slot == 1 and self._op("delete_key",
-                                          counter_key(self.prefix, own.h, own.epoch)):
-                self.counters["deleted"] += 1
-        except _Unavailable:
-            pass
+        elif new is not None and len(value) > COMPACT_BYTES:
+            self._client.compare_set(own.key, value, new, 64, READ_BUDGET)
+            self.counters["compacted"] += 1
 
+    # ---- exit -----------------------------------------------------------------------------
 
-class _Unavailable(Exception):
-    """The store is not (or no longer) usable: job scope is off for this process."""
+    def _everyone_out(self, deadline: float) -> bool:
+        """Has every rank of the job (WORLD_SIZE) counted itself out? True too when the count
+        is not ours to read (garbage: nothing to wait for) or the world size is unknown."""
+        world = self.ident.get("world_size")
+        if type(world) is not int:
+            return True
+        value = self._client.get(exit_key(self.prefix), EXIT_COUNT_LIMIT, READ_BUDGET, deadline)
+        return value is None or not value.isdigit() or int(value) >= world
+
+    def _exit(self) -> None:
+        """Count ourselves out; if we wrote within the last window, wait (bounded) until every
+        rank has, then read our paths once more and wait for our groups to close."""
+        started = self._clock()
+        deadline = started + self._exit_wait
+        if self.state != STATE_ACTIVE:
+            return
+        self._send_queued(deadline)
+        self._client.add(exit_key(self.prefix), 1, deadline)
+        recent = [own for own in self._own.values()
+                  if own.done and self._clock() <= own.until]
+        if not recent:
+            return
+        # Read (and report) at once, then again while a group of ours is open or a rank has
+        # not counted itself out: what is known reaches the agent while it still holds our
+        # write, and what comes later is added as it comes.
+        delay = FOLLOW_FIRST
+        while True:
+            still_open = False
+            for own in recent:
+                still_open = self._read(own) or still_open
+            if self._clock() >= deadline or (not still_open and self._everyone_out(deadline)):
+                break
+            time.sleep(min(delay, max(0.0, deadline - self._clock())))
+            delay = min(delay * 2, FOLLOW_MAX)
+        self.exit_waited = self._clock() - started
 
 
 _instance: JobScope | None = None
@@ -586,7 +608,8 @@ def start_if_distributed(ident: dict, environ=None) -> JobScope | None:
         return None
     host = env.get(STORE_HOST_ENV) or env["MASTER_ADDR"]
     _instance = JobScope(host, port, ident, window=_env_float(env, WINDOW_ENV, WINDOW),
-                         connect_budget=_env_float(env, CONNECT_BUDGET_ENV, CONNECT_BUDGET))
+                         connect_budget=_env_float(env, CONNECT_BUDGET_ENV, CONNECT_BUDGET),
+                         exit_wait=_env_float(env, EXIT_WAIT_ENV, EXIT_WAIT))
     return _instance.start()
 
 

@@ -164,7 +164,7 @@ def finish(started: Started, outcome: str, size: int | None = -1) -> None:
                     "outcome": outcome})
         (hook._emitter or hook._bind_emitter()).record(events.encode(end))
         if hook._jobscope is not None:
-            hook._jobscope.ended(pending, wall, mono, outcome)
+            hook._jobscope.ended(pending, wall, mono, outcome, size)
     except Exception:
         _counters["errors"] += 1
 

@@ -18,7 +18,7 @@ from typing import Callable, Iterable, Mapping
 
 from ckptwatch.events import REJECT_REASONS
 from exporters.labels import OVERFLOW, LabelLimits, LabelValues, clean
-from monitor.detect.model import SOURCE_FS, SOURCE_HOOK, Collision, Write
+from monitor.detect.model import SOURCE_FS, SOURCE_HOOK, SOURCE_JOB, Collision, Write
 
 # Labels whose values come from input, capped by LabelLimits.
 INPUT_LABELS = ("training_job", "rank")
@@ -456,7 +456,11 @@ class MetricsState:
 
 
 def collision_source(c: Collision) -> str:
-    """The `source` label of a collision: "hook" if the hook saw it (exact identities and
-    call sites; the watcher may have seen it too, see the journal's "sources"), else "fs".
-    One sample per collision, so sum without(source) counts collisions once."""
-    return SOURCE_HOOK if SOURCE_HOOK in c.sources else SOURCE_FS
+    """The `source` label of a collision, where its evidence came from: "hook" if this node's
+    hook saw a write of it (exact identities and call sites; the watcher or job scope may have
+    seen others too, see the journal's "sources"), else "job" if it was learnt through the
+    job's store (another node's hook, reported by a local one), else "fs". One sample per
+    collision, so sum without(source) counts collisions once."""
+    if SOURCE_HOOK in c.sources:
+        return SOURCE_HOOK
+    return SOURCE_JOB if SOURCE_JOB in c.sources else SOURCE_FS

@@ -271,9 +271,15 @@ class Agent:
                 self.exporters.publish_write(item)
                 if not self._stopping:
                     if item.outcome == "ok":
-                        self.checks.write_finished(item.path, item.writer.job_label,
-                                                   item.writer.run_key,
-                                                   item.source == SOURCE_FS)
+                        # A write of a job spanning nodes: its job-scope collision is final
+                        # only after job_settle, and the verdict must name it (issue 16).
+                        w = item.writer
+                        spans = (w.master is not None and (w.world_size or 0) > 1 and (
+                            w.local_world_size is None or w.local_world_size < w.world_size))
+                        self.checks.write_finished(
+                            item.path, w.job_label, w.run_key, item.source == SOURCE_FS,
+                            hold=(self.config.collision_job_settle
+                                  + self.config.collision_settle) if spans else 0.0)
                     finding = self.sizes.finished(item)
                     if finding is not None:
                         self.exporters.publish_finding(finding)
@@ -357,6 +363,8 @@ class Agent:
                 return
             self.publish(items)
         elif kind == "hazard":
+            if self.job_scope.not_this_bug(event, self.detector.local_writers(event["path"])):
+                return
             finding = self.job_scope.hazard(event)
             if finding is not None:
                 self.publish([finding])        # exported, and noticed to its writer (warn)

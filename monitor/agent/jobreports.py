@@ -27,7 +27,23 @@ class JobScopeEvents:
         self._seen: OrderedDict[tuple, None] = OrderedDict()
         self._max_keys = max_keys
         self.remote_received = 0
+        self.guard_contradicted = 0
         self.disabled_logged = 0
+
+    def not_this_bug(self, event: dict, local_writers) -> bool:
+        """Is a local_rank_guard hazard contradicted by what this node saw? The rule is "local
+        rank 0 alone writes the path on its node"; a hook that could not read the job's store
+        judges on its own write, and if another local rank of the same run writes the path
+        too, every rank writes: no LOCAL_RANK == 0 guard to fix (issue 16). Counted."""
+        if event["kind"] != "local_rank_guard":
+            return False
+        run = job_run(event.get("job"), event.get("master"), event.get("restart"))
+        for w in local_writers:
+            if w.pid != event["pid"] and w.local_rank != 0 and run is not None \
+                    and w.run_key == run:
+                self.guard_contradicted += 1
+                return True
+        return False
 
     def hazard(self, event: dict) -> Finding | None:
         """The Finding for a hazard event, or None if this run's path already had it."""

@@ -36,7 +36,7 @@ from typing import Callable
 
 from monitor.detect import grouping
 from monitor.detect.grouping import DEFAULT_MAX_HOLD, Grouping
-from monitor.detect.model import SOURCE_HOOK, writer_kind_of
+from monitor.detect.model import SOURCE_HOOK, SOURCE_JOB, writer_kind_of
 from monitor.detect.pairing import MAX_OPEN_PER_PATH, SCAN_INTERVAL, OpenWrites
 from monitor.detect.remote import RemoteWrites, remote_entry
 from monitor.detect.tracked import INF, Entry, PathState
@@ -95,6 +95,15 @@ class Detector:
     def is_open(self, node: str, pid: int, seq: int) -> bool:
         """Is that write in flight here (its start seen, its end not yet)?"""
         return (node, pid, seq) in self._open
+
+    def local_writers(self, path: str) -> list:
+        """The Writers of this node whose writes of `path` are held here now (a write is held
+        while it can still join a collision: through a redundant chain, up to a window after
+        its end for a writer of a job run)."""
+        state = self._paths.get(path)
+        if state is None:
+            return []
+        return [e.writer for e in state.entries if e.source != SOURCE_JOB]
 
     @property
     def refused_starts(self) -> dict:

@@ -189,11 +189,16 @@ def collision_id(path: str, first_start_wall: float) -> str:
 
 
 def job_collision_id(run_key, path: str, writes) -> str:
-    """Id of a job-scope collision: the job run, the path and the set of writes (node, pid,
-    seq). Every agent that sees the same collision derives the same id from what it knows of
-    it, so `ckptwatch report` over several nodes' journals counts it once."""
-    keys = sorted((w.writer.node, w.writer.pid, w.seq) for w in writes)
-    text = f"{run_key!r}\0{path}\0{keys!r}"
+    """Id of a job-scope collision: the job run, the path and the earliest write in it (its
+    start wall, node, pid, seq: the values the writer's hook took and its job scope logged, so
+    every agent holds the same numbers). Every agent that sees the collision derives the same
+    id, even one that learnt of fewer of its later writes, so `ckptwatch report` over several
+    nodes' journals counts it once."""
+    # To the microsecond, as the hook's events carry it: an agent holding the start from the
+    # hook (text "%.6f") and one holding it from the store's log (full precision) agree.
+    first = min((float(f"{w.start_wall:.6f}"), w.writer.node, w.writer.pid, w.seq)
+                for w in writes)
+    text = f"{run_key!r}\0{path}\0{first[0]:.6f}\0{first[1:]!r}"
     return "j" + hashlib.sha1(text.encode("utf-8", "surrogatepass")).hexdigest()[:15]
 
 

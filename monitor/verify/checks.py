@@ -49,12 +49,13 @@ class Checks:
         if self.enabled and sender is not None:
             self.schedule.note_sender(path, sender)
 
-    def write_finished(self, path: str, job: str, run, watched: bool) -> None:
+    def write_finished(self, path: str, job: str, run, watched: bool,
+                       hold: float = 0.0) -> None:
         """A write of `path` finished well (outcome ok) for job label `job`, run key `run`
         (monitor.detect.model.Writer.run_key, for set checks); `watched`: the agent's own
-        watcher saw it."""
+        watcher saw it; `hold`: seconds the check waits beyond `verify.quiet`."""
         if self.enabled:
-            self.schedule.write_finished(path, job, self._clock(), watched=watched)
+            self.schedule.write_finished(path, job, self._clock(), watched=watched, hold=hold)
             self.schedule.note_run(path, run)
 
     def file_closed(self, path: str) -> None:

@@ -168,11 +168,14 @@ class VerifySchedule:
     def _entry(self, path: str):
         return self._due_watched.get(path) or self._due.get(path)
 
-    def write_finished(self, path: str, job: str, now: float, watched: bool = False) -> None:
+    def write_finished(self, path: str, job: str, now: float, watched: bool = False,
+                       hold: float = 0.0) -> None:
+        """hold: seconds added to `quiet` (a write of a job spanning nodes: its job-scope
+        collision comes later, and the verdict should name it)."""
         if watched:
             self._note(path, None)
         entry = self._due_watched.pop(path, None) or self._due.pop(path, None) or _Due(now, job)
-        entry.at = now + self.quiet
+        entry.at = now + self.quiet + hold
         entry.job = job or entry.job
         self._set_busy(path, now + self.quiet, now)
         self._enqueue(path, entry)

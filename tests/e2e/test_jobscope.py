@@ -196,10 +196,14 @@ def test_store_unreachable_training_runs_node_scope_works_job_scope_disabled(age
                  message=f"job scope disabled on {node}")
         assert not agent.metric("ckptwatch_job_scope_reports_total", training_job=job,
                                 state="active")
-    # local_rank_guard needs no store: node-b's local rank 0 (global rank 2) writes a shared
-    # path that names neither its rank nor its node.
-    assert agents["node-b"].metric("ckptwatch_hazards_total", training_job=job,
-                                   kind="local_rank_guard") == 1
+    # Every rank writes (no guard at all): node-b's local rank 0 must not be told about a
+    # LOCAL_RANK == 0 guard, store or no store (issue 16). Its hook judged on its own write;
+    # the agent saw local rank 1 write the path too.
+    for agent in agents.values():
+        agent.wait_judged()
+        assert not agent.metric("ckptwatch_hazards_total", training_job=job,
+                                kind="local_rank_guard")
+        assert records(agent, job, "hazard") == []
 
 
 def test_transformers_save_on_each_node_on_shared_storage_is_caught(agents):
@@ -244,8 +248,9 @@ def test_static_rendezvous_run_id_none_is_told_apart_by_the_master_address(agent
 
 def test_store_keys_do_not_grow_with_the_number_of_saves(job_store):
     """10,000 saves by two ranks of two nodes (5,000 each, on 8 paths), a 0.25 s window (the
-    run lasts many windows): keys are deleted while it runs, and once the last windows have
-    passed the store holds what it held before plus the ticket counter."""
+    run lasts many windows): logs are deleted while it runs, and once the last windows have
+    passed the store holds what it held before (one key per path written within the last
+    windows at most, no counter of ours)."""
     window = 0.25
     a = Rank(job_store.port, "node-a", 0, 0, window=window)
     b = Rank(job_store.port, "node-b", 2, 0, window=window)
@@ -257,14 +262,13 @@ def test_store_keys_do_not_grow_with_the_number_of_saves(job_store):
         for rank in (a, b):
             rank.save(paths[i % len(paths)])
         if i % 500 == 0:
-            wait_for(lambda: not a.scope._queue and not b.scope._queue, timeout=60)
+            wait_for(lambda: a.idle() and b.idle(), timeout=60)
             peak = max(peak, job_store.num_keys())
-    wait_for(lambda: a.scope.counters["announced"] + a.scope.counters["dropped"] >= 5000
-             and b.scope.counters["announced"] + b.scope.counters["dropped"] >= 5000,
-             timeout=120, message="every save announced or dropped")
-    after = wait_for(lambda: job_store.num_keys() <= before + 1 and job_store.num_keys(),
-                     timeout=30,
-                     message=f"keys back to {before} + ticket counter (now {job_store.num_keys()})")
-    assert after == before + 1
-    assert peak < 5000, peak        # the saves of the last windows, not all 10,000
-    assert a.scope.state == "active" and a.scope.counters["errors"] == 0
+    wait_for(lambda: a.scope.counters["announced"] + a.scope.counters["dropped"] >= 10000
+             and b.scope.counters["announced"] + b.scope.counters["dropped"] >= 10000,
+             timeout=120, message="every start and end announced or dropped")
+    wait_for(lambda: job_store.num_keys() <= before, timeout=60,
+             message=f"keys back to {before} (now {job_store.num_keys()})")
+    assert peak <= before + len(paths), peak     # one log per path, whatever the saves
+    assert a.scope.state == "active" and b.scope.state == "active"
+    assert a.scope.counters["errors"] == 0 and a.scope.counters["deleted"] > 0

@@ -23,6 +23,13 @@ def master_store(port: int = 0):
                          wait_for_workers=False)
 
 
+def torch_key(wire_key: str) -> str:
+    """The name torch's own TCPStore client gives a key job scope writes on the wire (torch's
+    client puts "/" before every key it is given)."""
+    assert wire_key.startswith("/")
+    return wire_key[1:]
+
+
 def ident(node: str, rank: int, local_rank: int, job="job-1", restart=0) -> dict:
     # One test process plays every rank: each gets its own pid in what it announces.
     return {"node": node, "pid": 100000 + rank, "rank": rank, "local_rank": local_rank,
@@ -33,12 +40,13 @@ def ident(node: str, rank: int, local_rank: int, job="job-1", restart=0) -> dict
 class Rank:
     """A JobScope as one rank's hook drives it, with what it sends to its agent."""
 
-    def __init__(self, port: int, node: str, rank: int, local_rank: int, **kw):
+    def __init__(self, port: int, node: str, rank: int, local_rank: int, *,
+                 shared_paths: str = SHARED, **kw):
         self.sent: list[dict] = []
         self.ident = ident(node, rank, local_rank)
         self.seq = 0
         self.scope = JobScope("127.0.0.1", port, self.ident, emit=self.sent.append,
-                              shared=SharedPaths({"CKPTWATCH_SHARED_PATHS": SHARED}),
+                              shared=SharedPaths({"CKPTWATCH_SHARED_PATHS": shared_paths}),
                               **kw).start()
 
     def begin(self, path: str):
@@ -47,8 +55,8 @@ class Rank:
         self.scope.started(pending)
         return pending
 
-    def end(self, pending) -> None:
-        self.scope.ended(pending, time.time(), time.monotonic(), "ok")
+    def end(self, pending, size: int = 4096) -> None:
+        self.scope.ended(pending, time.time(), time.monotonic(), "ok", size)
 
     def save(self, path: str, hold: float = 0.0) -> None:
         pending = self.begin(path)
@@ -60,6 +68,15 @@ class Rank:
 
     def active(self) -> bool:
         return self.scope.state == jobscope.STATE_ACTIVE
+
+    def idle(self) -> bool:
+        """Everything this rank announced has been sent and its notes taken in."""
+        return not self.scope._frames and not self.scope._notes
+
+    def remote_writers(self) -> list:
+        """(node, rank, overlap) of the remote writes it reported, in report order."""
+        return [(e["writer"]["node"], e["writer"]["rank"], e["overlap"])
+                for e in self.of_type("remote")]
 
 
 @pytest.fixture

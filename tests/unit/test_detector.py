@@ -711,11 +711,15 @@ def test_remote_write_overlapping_a_local_one_is_a_job_scope_collision():
     assert {(w.writer.node, w.writer.pid) for w in c.writes} == {("n1", 11), ("n2", 99)}
     remote_write = [w for w in c.writes if w.source == "job"][0]
     assert remote_write.reporter == 11 and c.to_record()["writers"][1]["reported_by"] == 11
-    # The id depends on the run, the path and the writes only: the other agent, which holds
-    # the same two writes the other way round, derives the same.
+    # The id depends on the run, the path and the earliest write only: the other agent,
+    # which holds the same two writes the other way round, derives the same -- and so does
+    # one that learnt of fewer of the later writes (issue 16: two agents, two ids).
     from monitor.detect.grouping import job_collision_id
-    assert c.id == job_collision_id(sorted(map(repr, {w.writer.run_key for w in c.writes})),
-                                    PATH, tuple(reversed(c.writes)))
+    run = sorted(map(repr, {w.writer.run_key for w in c.writes}))
+    assert c.id == job_collision_id(run, PATH, tuple(reversed(c.writes)))
+    first = min(c.writes, key=lambda w: w.start_wall)
+    assert c.id == job_collision_id(run, PATH, (first,))
+    assert c.id != job_collision_id(run, PATH, tuple(w for w in c.writes if w is not first))
 
 
 def test_remote_writes_need_the_reporters_own_write_of_the_path():
@@ -969,3 +973,21 @@ def test_a_one_writer_path_saved_again_and_again_stays_small_and_reports_nothing
     assert len(d._paths[PATH].entries) <= 5
     clock.now += 62.0
     assert d.tick() == [] and d.tracked_paths == 0
+
+
+def test_a_job_collision_id_is_the_same_from_the_hooks_text_and_the_stores_full_wall():
+    """One agent holds a write's start from its hook's event ("%.6f" text), the other from the
+    store's log: the two numbers may differ below the microsecond, never the id (issue 16: two
+    agents gave one collision two ids)."""
+    from monitor.detect.grouping import job_collision_id
+    from monitor.detect.model import Writer
+    a, b = Writer("n1", 11, rank=0, job="j"), Writer("n2", 22, rank=2, job="j")
+    full = 1733389000.1234567
+    hooked = float("%.6f" % full)
+    assert hooked != full
+
+    def writes(first_wall):
+        return (Write(a, PATH, 1, first_wall, 5.0, first_wall + 1, 6.0),
+                Write(b, PATH, 1, first_wall + 0.5, 1.0, first_wall + 2, 2.0))
+    assert job_collision_id(("j",), PATH, writes(full)) == \
+        job_collision_id(("j",), PATH, writes(hooked))

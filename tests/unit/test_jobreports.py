@@ -40,3 +40,20 @@ def test_a_hazard_is_reported_once_per_run_path_and_kind():
     assert reports.hazard(hazard(kind="shared_storage_multi_writer")) is not None
     assert reports.hazard(hazard(path="/shared/other.pt")) is not None
     assert reports.hazard(hazard(restart=4)) is not None                # a new run
+
+
+def test_the_local_rank_guard_is_not_named_when_another_local_rank_writes_the_path():
+    """A hook without the job's store judges the local_rank == 0 guard on its own write; the
+    agent, which sees every local writer, drops it when another local rank of the same run
+    writes the path too: every rank writes, there is no guard to fix (issue 16)."""
+    reports = JobScopeEvents()
+    event = hazard()
+    peer = Writer(**dict(IDENTITY, pid=12, rank=3, local_rank=1))
+    other_run = Writer(**dict(IDENTITY, pid=13, rank=3, local_rank=1, restart=9))
+    itself = Writer(**IDENTITY)
+    assert reports.not_this_bug(event, [itself, peer]) is True
+    assert reports.guard_contradicted == 1
+    assert reports.not_this_bug(event, [itself, other_run]) is False
+    assert reports.not_this_bug(event, [itself]) is False
+    # The other hazard is about several ranks writing: never contradicted by that.
+    assert reports.not_this_bug(hazard(kind="shared_storage_multi_writer"), [peer]) is False

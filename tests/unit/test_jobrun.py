@@ -73,8 +73,9 @@ def test_job_scope_store_keys_are_shared_exactly_when_it_is_the_same_run():
 
 
 def test_the_store_prefix_of_a_run_is_what_it_was_before_the_one_definition():
-    # Ranks of one job may run different ckptwatch versions on different nodes: the keys of a
-    # run must not move. The old text was f"{job}\0{master or None}\0{restart}".
+    # The run's digest has not moved since the one definition (f"{job}\0{master or None}\0
+    # {restart}"); the layout version before it (2: per-path write logs) keeps ranks of an
+    # older layout out of the keys of this one (docs/decisions.md, "Job scope v2").
     import hashlib
     for job, master, restart in RUNS:
         if master is None:
@@ -82,4 +83,4 @@ def test_the_store_prefix_of_a_run_is_what_it_was_before_the_one_definition():
         kept = master if job in (None, "none") else None
         text = f"{job}\0{kept}\0{restart}".encode()
         assert run_prefix(ident(job, master, restart)) == \
-            "ckptwatch/" + hashlib.sha1(text).hexdigest()[:16]
+            "/ckptwatch/2/" + hashlib.sha1(text).hexdigest()[:16]

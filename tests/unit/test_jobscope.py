@@ -1,5 +1,6 @@
-"""ckptwatch.jobscope: key layout, ticket order, an unreachable or late store (the store's
-growth under 10,000 saves is tests/e2e/test_jobscope.py).
+"""ckptwatch.jobscope and ckptwatch.jobkeys: the write log and its order, what each rank reports,
+an unreachable, late, gone or hostile store (the store's growth under 10,000 saves is
+tests/e2e/test_jobscope.py; the wire client alone is tests/unit/test_storewire.py).
 
 Real TCPStore servers (torch, loopback: the tests marked torch) and real JobScope threads; the
 events they would send to the agent are collected from their emit callback.
@@ -13,9 +14,10 @@ import time
 import pytest
 
 from ckptwatch import jobscope
-from ckptwatch.jobkeys import place_remote, run_prefix
+from ckptwatch.jobkeys import (compacted, end_line, group_of, group_open, log_key, parse_log,
+                               path_hash, place_remote, run_prefix, start_line)
 from helpers import free_port, wait_for
-from jobstore import SHARED, Rank, ident, master_store
+from jobstore import SHARED, Rank, ident, master_store, torch_key
 
 
 # ---- pure parts ---------------------------------------------------------------------------
@@ -29,12 +31,12 @@ def test_run_prefix_separates_restarts_and_static_rendezvous_jobs():
     assert run_prefix(none) != run_prefix(dict(none, master="10.0.0.2:29500"))
     # ... while a named job does not depend on the master's address
     assert run_prefix(base) == run_prefix(dict(base, master="10.0.0.2:29500"))
-    assert run_prefix(base).startswith("ckptwatch/")
+    assert run_prefix(base).startswith("/ckptwatch/2/")
 
 
 def test_place_remote_follows_the_store_order_not_the_walls():
     own = {"sw": 1000.0, "sm": 50.0, "ew": 1001.0, "em": 51.0, "ts": 10, "te": 20}
-    # The remote node's clock runs 5 s ahead: by walls no overlap, by tickets an overlap.
+    # The remote node's clock runs 5 s ahead: by walls no overlap, by the log an overlap.
     start, end, overlap = place_remote(own, {"sw": 1005.2, "ew": 1006.0, "ts": 12, "te": 22})
     assert overlap is True and start < own["em"] and end > own["sm"]
     # Walls overlap (remote clock behind) but the store saw it start after ours ended.
@@ -43,9 +45,65 @@ def test_place_remote_follows_the_store_order_not_the_walls():
     # ... or end before ours started.
     start, end, overlap = place_remote(own, {"sw": 1000.5, "ew": 1000.9, "ts": 5, "te": 9})
     assert overlap is False and end <= own["sm"] and start <= end
-    # Without tickets the walls decide, mapped through our wall-mono offset.
+    # Without positions the walls decide, mapped through our wall-mono offset.
     start, end, overlap = place_remote(own, {"sw": 1000.5, "ew": 1000.7})
     assert overlap is None and (start, end) == pytest.approx((50.5, 50.7))
+
+
+def _log(*events) -> bytes:
+    """A write log from (kind, node, pid, seq, wall) tuples, in store order."""
+    out = b""
+    for kind, node, pid, seq, wall in events:
+        who = dict(ident(node, 0, 0), pid=pid)
+        out += start_line(who, seq, None, None, wall) if kind == "s" else \
+            end_line(who, seq, wall, 10, "ok", "mount:nfs4")
+    return out
+
+
+def test_groups_are_decided_on_the_logs_order_so_every_reader_agrees():
+    # a and b overlap, b and c overlap, a and c do not: one group of three, whoever reads it.
+    log = _log(("s", "a", 1, 1, 10.0), ("s", "b", 2, 1, 10.1), ("e", "a", 1, 1, 10.2),
+               ("s", "c", 3, 1, 10.3), ("e", "b", 2, 1, 10.4), ("e", "c", 3, 1, 10.5),
+               ("s", "d", 4, 1, 10.6), ("e", "d", 4, 1, 10.7))
+    writes = parse_log(log)
+    by_node = {w.node: w for w in writes}
+    for reader in "abc":
+        assert {w.node for w in group_of(writes, by_node[reader])} == {"a", "b", "c"}
+    assert [w.node for w in group_of(writes, by_node["d"])] == ["d"]
+    # The same log read before c's end: the group is still open for every one of them.
+    partial = parse_log(log[:log.index(b'"k":"e","n":"c"') - 2])
+    assert all(group_open(group_of(partial, w)) for w in partial if w.node in "abc")
+
+
+def test_garbage_in_a_log_is_skipped_keeps_positions_and_texts_come_out_escaped():
+    fake_site = "\x1b[2J\x1b[31mFAKE\x07 /etc/passwd:1"
+    hostile = (b"\nnot json at all\n" + b"{" * 5000 + b"\n" + b"[1,2]\n"
+               + b'\n{"k":"s","n":["x"],"p":1,"q":1,"w":1}\n'
+               + b'\n{"k":"s","n":"evil","p":7,"q":1,"w":1e400,"site":"x"}\n'
+               + b'\n{"k":"s","n":"evil","p":8,"q":1,"w":11.0,"r":"0","site":'
+               + repr(fake_site).replace("'", '"').encode().replace(b"\\x1b", b"\\u001b")
+               .replace(b"\\x07", b"\\u0007") + b"}\n")
+    log = _log(("s", "a", 1, 1, 10.0)) + hostile + _log(("e", "a", 1, 1, 12.0))
+    writes = parse_log(log)
+    assert [(w.node, w.pid) for w in writes] == [("a", 1), ("evil", 8)]
+    a, evil = writes
+    assert a.done and (a.ts, a.te) == (1, 8)        # garbage lines count as positions
+    assert evil.rank is None                         # "0" is not a rank
+    assert "\x1b" not in evil.site and "\x07" not in evil.site and "\\x1b" in evil.site
+    # A stray partial line glued to nothing: ours stay whole around it.
+    assert parse_log(b'{"k":"s","n":"a"' + log)[0].node == "a"
+
+
+def test_compaction_drops_a_stale_head_and_keeps_the_positions_of_the_rest():
+    log = _log(("s", "a", 1, 1, 1.0), ("e", "a", 1, 1, 2.0), ("s", "b", 2, 1, 100.0),
+               ("s", "c", 3, 1, 100.5), ("e", "b", 2, 1, 101.0))
+    before = {w.node: (w.ts, w.te) for w in parse_log(log)}
+    new = compacted(log, lambda key: key[0] == "a")
+    assert new is not None and len(new) < len(log)
+    after = {w.node: (w.ts, w.te) for w in parse_log(new)}
+    assert after == {k: v for k, v in before.items() if k != "a"}
+    assert compacted(new, lambda key: key[0] == "a") is None      # nothing stale left
+    assert compacted(log, lambda key: True) == b""                  # all stale: delete
 
 
 # ---- with a real store --------------------------------------------------------------------
@@ -58,23 +116,25 @@ def test_two_nodes_learn_each_others_overlapping_write_and_name_the_hazards(job_
     wait_for(lambda: a.active() and b.active() and c.active(), message="connected")
     path = os.path.join(SHARED, "last.pt")
     pa, pb, pc = a.begin(path), b.begin(path), c.begin(path)
-    # The three starts have their store tickets before any end takes one: the writes overlap
-    # in the store's order, whatever the scheduler does with the scopes' threads.
-    wait_for(lambda: all(r.scope.counters["announced"] == 1 for r in (a, b, c)),
-             message="the three starts announced")
+    # The three starts are in the log before any end is sent: they overlap in the store's
+    # order. (Sent within microseconds on three connections, a start and an end could reach
+    # the server in either order: the ordering tolerance.)
+    key = torch_key(log_key(run_prefix(a.ident), path_hash(path)))
+    wait_for(lambda: job_store.check([key]) and job_store.get(key).count(b'"k":"s"') == 3,
+             message="the three starts in the log")
     for rank, pending in ((a, pa), (b, pb), (c, pc)):
         rank.end(pending)
-    wait_for(lambda: a.of_type("remote") and b.of_type("remote"), message="remote reports")
-    # No more reports are to come (c is a's local peer): one poll of the path (POLL_FIRST)
-    # and slack after the first reports would have brought them.
-    time.sleep(jobscope.POLL_FIRST + 0.1)
-    remote_a = a.of_type("remote")
-    assert [(e["writer"]["node"], e["writer"]["rank"], e["overlap"]) for e in remote_a] == [
-        ("node-b", 2, True)]
-    assert remote_a[0]["seq"] == pa[1] and remote_a[0]["path"] == path
-    assert remote_a[0]["start_mono"] <= remote_a[0]["end_mono"]
-    assert sorted(e["writer"]["rank"] for e in b.of_type("remote")) == [0, 1]
-    # local_rank_guard: only b (local rank 0, global rank 2); multi-writer: all three.
+    wait_for(lambda: a.of_type("remote") and len(b.of_type("remote")) == 2,
+             message="remote reports")
+    wait_for(lambda: all(r.scope.counters["reads"] >= 2 for r in (a, b, c)),
+             message="a watch read after the ends")
+    assert a.remote_writers() == [("node-b", 2, True)]
+    remote_a = a.of_type("remote")[0]
+    assert remote_a["seq"] == pa[1] and remote_a["path"] == path
+    assert remote_a["start_mono"] <= remote_a["end_mono"]
+    assert sorted(b.remote_writers()) == [("node-a", 0, True), ("node-a", 1, True)]
+    # Every rank writes on node-a (local ranks 0 and 1): b, local rank 0 of node-b, alone on
+    # its node, is the local_rank guard's pattern; nobody on node-a is.
     assert [h["kind"] for h in b.of_type("hazard")].count("local_rank_guard") == 1
     assert "local_rank_guard" not in [h["kind"] for h in a.of_type("hazard")]
     multi = [h for h in a.of_type("hazard") if h["kind"] == "shared_storage_multi_writer"]
@@ -84,20 +144,65 @@ def test_two_nodes_learn_each_others_overlapping_write_and_name_the_hazards(job_
 
 
 @pytest.mark.torch
-def test_a_later_writer_is_found_by_the_earlier_ones_poll(job_store):
+def test_every_rank_writing_is_not_the_local_rank_guard(job_store):
+    """Both local ranks of node-b write the path too (no guard at all): local rank 0 of
+    node-b must not be told about a LOCAL_RANK == 0 guard it does not have."""
+    ranks = [Rank(job_store.port, f"node-{n}", r, r % 2) for n, r in
+             (("a", 0), ("a", 1), ("b", 2), ("b", 3))]
+    wait_for(lambda: all(r.active() for r in ranks), message="connected")
+    path = os.path.join(SHARED, "every.pt")
+    pending = [r.begin(path) for r in ranks]
+    for r, p in zip(ranks, pending):
+        r.end(p)
+    wait_for(lambda: all(r.scope.counters["reads"] >= 2 for r in ranks), message="reads")
+    wait_for(lambda: all(r.of_type("hazard") for r in ranks), message="hazards")
+    kinds = {h["kind"] for r in ranks for h in r.of_type("hazard")}
+    assert kinds == {"shared_storage_multi_writer"}
+
+
+@pytest.mark.torch
+def test_a_hazard_learnt_from_a_node_that_sees_the_path_shared_is_not_lost(job_store):
+    """Only node-b sees the path as shared storage: node-a's rank still reports the hazard,
+    naming node-b's reason (issue 17: it went out with shared null and was refused)."""
+    a = Rank(job_store.port, "node-a", 0, 0, shared_paths="/nowhere")
+    b = Rank(job_store.port, "node-b", 2, 0)
+    wait_for(lambda: a.active() and b.active(), message="connected")
+    path = os.path.join(SHARED, "half-shared.pt")
+    pa, pb = a.begin(path), b.begin(path)
+    a.end(pa)
+    b.end(pb)
+    hazard = wait_for(lambda: a.of_type("hazard"), message="node-a's hazard")[0]
+    assert hazard["kind"] == "shared_storage_multi_writer"
+    assert hazard["shared"] == "node-b: CKPTWATCH_SHARED_PATHS"
+
+
+@pytest.mark.torch
+def test_a_later_writer_is_found_by_the_earlier_ones_watch(job_store):
     a = Rank(job_store.port, "node-a", 0, 0)
     b = Rank(job_store.port, "node-b", 2, 0)
     wait_for(lambda: a.active() and b.active(), message="connected")
     path = os.path.join(SHARED, "later.pt")
     a.save(path)
-    # a's end read the path and its first polls (POLL_FIRST, then twice that) re-read it:
-    # alone on it, a has nothing to report.
-    time.sleep(0.5)
+    wait_for(lambda: a.scope.counters["reads"] >= 2, message="a's first watch read")
     assert a.of_type("remote") == []
     b.save(path)
     # a learns of b by re-reading its recent path (not at its own end, which was earlier).
-    found = wait_for(lambda: a.of_type("remote"), timeout=10, message="a's poll")
+    found = wait_for(lambda: a.of_type("remote"), timeout=10, message="a's watch")
     assert found[0]["overlap"] is False and found[0]["writer"]["rank"] == 2
+    assert b.remote_writers() == [("node-a", 0, False)]
+
+
+@pytest.mark.torch
+def test_a_rank_private_path_costs_a_bounded_number_of_store_operations(job_store):
+    """A DCP shard named after its rank: 2 APPENDs and 1 GET, no watch reads."""
+    a = Rank(job_store.port, "node-a", 3, 1)
+    wait_for(lambda: a.active(), message="connected")
+    before = a.scope.stats()["store_ops"]
+    a.save(os.path.join(SHARED, "step-10", "__3_0.distcp"))
+    wait_for(lambda: a.scope.counters["reads"] == 1, message="the end's read")
+    time.sleep(jobscope.POLL_FIRST * 3)
+    assert a.scope.stats()["store_ops"] - before == 3
+    assert a.scope.counters["reads"] == 1
 
 
 def test_unreachable_store_never_blocks_a_save_and_disables_job_scope():
@@ -107,11 +212,11 @@ def test_unreachable_store_never_blocks_a_save_and_disables_job_scope():
     for i in range(1000):
         a.save(os.path.join(SHARED, "x.pt"))
     elapsed = time.perf_counter() - t0
-    assert elapsed < 5.0                 # the save path is a deque append, store or not
+    assert elapsed < 5.0                 # the save path never waits, store or not
     wait_for(lambda: a.scope.state == "disabled", timeout=10, message="disabled")
     states = a.of_type("jobscope")
     assert [s["state"] for s in states] == ["disabled"] and "unreachable" in states[0]["reason"]
-    # local_rank_guard needs no store.
+    # local_rank_guard needs no store (on the write alone).
     wait_for(lambda: a.of_type("hazard"), message="the hazard without a store")
     assert a.of_type("remote") == []
 
@@ -161,3 +266,47 @@ def test_start_if_distributed_needs_the_whole_environment(monkeypatch):
     # a single-node job (every rank local): its agent sees all of them already
     assert jobscope.start_if_distributed(ident("a", 0, 0),
                                          dict(env, WORLD_SIZE="4", LOCAL_WORLD_SIZE="4")) is None
+
+
+# ---- a hostile store: values of our keys written by someone else of the job ----------------
+
+@pytest.mark.torch
+def test_a_fake_record_is_bounded_and_escaped_and_cannot_name_this_node(job_store):
+    """A process of the job appends a well-formed record of a writer that does not exist, with
+    escape codes in its call site, and one claiming to be a writer of our own node."""
+    a = Rank(job_store.port, "node-a", 0, 0)
+    wait_for(lambda: a.active(), message="connected")
+    path = os.path.join(SHARED, "faked.pt")
+    key = log_key(run_prefix(a.ident), path_hash(path))
+    ghost = dict(ident("ghost\x1b]0;pwned\x07", 9, 0), pid=4242)
+    local = dict(ident("node-a", 5, 1), pid=os.getpid())
+    evil = start_line(ghost, 1, None, None, time.time()) + end_line(
+        ghost, 1, time.time(), 1, "ok\x1b[31m", None)
+    evil = evil.replace(b'"site":null', b'"site":"\\u001b[2Jx.py:1"')
+    evil += start_line(local, 1, None, None, time.time()) + end_line(
+        local, 1, time.time(), 1, "ok", None)
+    job_store.append(torch_key(key), evil)      # through the job's own client
+    a.save(path)
+    wait_for(lambda: a.scope.counters["reads"] >= 1, message="read")
+    reports = wait_for(lambda: a.of_type("remote"), message="the fake writer reported")
+    # What it can do: add a writer of this path (labelled as learnt through the store); what
+    # it cannot: put raw control characters anywhere, or pose as a writer of our node.
+    assert [e["writer"]["pid"] for e in reports] == [4242]
+    text = repr(reports)
+    assert "\x1b" not in str(reports) and "\x07" not in str(reports), text
+    assert reports[0]["writer"]["node"].startswith("ghost\\x1b")
+
+
+@pytest.mark.torch
+def test_an_oversized_log_is_skipped_without_holding_it_in_memory(job_store):
+    a = Rank(job_store.port, "node-a", 0, 0)
+    wait_for(lambda: a.active(), message="connected")
+    path = os.path.join(SHARED, "huge.pt")
+    key = log_key(run_prefix(a.ident), path_hash(path))
+    job_store.set(torch_key(key), b"\xff" * (4 << 20))
+    a.save(path)
+    wait_for(lambda: a.scope.counters["oversized"] >= 1, message="skipped")
+    assert a.scope.state == "active" and a.of_type("remote") == []
+    a.save(os.path.join(SHARED, "fine.pt"))             # the rest of job scope goes on
+    wait_for(lambda: a.scope.counters["reads"] >= 2, message="the next path is read")
+    assert a.scope.state == "active"

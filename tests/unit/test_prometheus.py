@@ -515,9 +515,18 @@ def test_collision_source_label_one_sample_per_collision(state):
                      writes=(write(pid=1), write(pid=2, start=10.1)), detected_wall=5.0)
     fs_only = Collision(path=PATH, kind=KIND_CONCURRENT, sources=(SOURCE_FS,),
                         writes=(write(pid=3), write(pid=4, start=10.1)), detected_wall=6.0)
+    # Learnt only through job scope (other nodes' writes, reported by a local hook's job
+    # scope): source "job", not "fs" (issue 16: exported as fs with no watcher running).
+    job_only = Collision(path=PATH, kind=KIND_CONCURRENT, sources=("job",), scope="job",
+                         writes=(write(pid=5), write(pid=6, start=10.1)), detected_wall=7.0)
     state.collision(both)
     state.collision(fs_only)
+    state.collision(job_only)
     reg = build_registry(state)
+    assert value(reg, "ckptwatch_collisions_total", training_job="job-a", kind="concurrent",
+                 scope="job", source="job") == 1
+    assert not value(reg, "ckptwatch_collisions_total", training_job="job-a",
+                     kind="concurrent", scope="job", source="fs")
     assert value(reg, "ckptwatch_collisions_total", training_job="job-a", kind="concurrent",
                  scope="node", source="hook") == 1
     assert value(reg, "ckptwatch_collisions_total", training_job="job-a", kind="concurrent",

@@ -221,3 +221,13 @@ def test_a_watched_path_that_is_a_symbolic_link_is_not_followed(tmp_path):
     link.symlink_to(secret)
     got = Verifier().verify(str(link))          # readers=None: the agent's own rights
     assert got.result == "unverifiable" and "symbolic link" in got.reason
+
+
+def test_a_held_write_is_verified_after_its_job_scope_collision_and_names_it():
+    """A write of a job spanning nodes is held for the job-scope settle: its collision, which
+    comes only then, is named in the verdict (issue 16: collision_id empty for job scope)."""
+    s = VerifySchedule(quiet=2.0)
+    s.write_finished("/ckpt/last.pt", "j1", now=10.0, hold=3.5)
+    assert s.due(12.5) == []                       # quiet passed, the hold not yet
+    s.collided("/ckpt/last.pt", "jabc", now=14.0)   # the job-scope collision, after job_settle
+    assert [(p, c) for p, _, c, _ in s.due(15.6)] == [("/ckpt/last.pt", "jabc")]
