@@ -47,7 +47,7 @@ def install() -> bool:
         if target in sys.modules:
             patched = _install_one(name, target) or patched
         else:
-            waiting[target] = functools.partial(_install_one, name, target)
+            waiting[target] = _ON_IMPORT[target]
     if waiting:
         imports.watch(waiting)
     return patched
@@ -62,6 +62,12 @@ def _install_one(name: str, target: str) -> bool:
         return False
 
 
+# One callback object per target, so that watching again (a second install()) adds nothing:
+# imports.watch is idempotent per callback.
+_ON_IMPORT = {target: functools.partial(_install_one, name, target)
+              for target, name in TARGETS.items()}
+
+
 def _loaded():
     return [sys.modules[f"ckptwatch.writers.{name}"] for name in WRITER_MODULES
             if f"ckptwatch.writers.{name}" in sys.modules]
@@ -70,7 +76,7 @@ def _loaded():
 def uninstall() -> bool:
     """Restore every writer still ours and stop watching imports. True if any was restored."""
     from ckptwatch.writers import imports
-    imports.unwatch()
+    imports.unwatch(_ON_IMPORT.values())
     restored = False
     for writer in _loaded():
         try:
