@@ -7,7 +7,7 @@ install() wraps `torch.load` (and torch.serialization.load), and, when imported,
 `safetensors.torch.load_file`, `safetensors.safe_open` and `torch.distributed.checkpoint.load`
 (ckptwatch.hook calls it at its own install(), which under `ckptwatch run` is when torch is
 imported; safetensors and torch.distributed.checkpoint imported later are wrapped as soon as
-their import completes, through the writers' post-import watch, ckptwatch/writers/imports.py).
+their import completes, through the post-import watch, ckptwatch/postimport.py).
 A load nested in a guarded one (safetensors' load_file opens the file with safe_open) is not
 judged again: the outer load was. The wrapper passes the untouched arguments to the original and returns its
 value; before it calls the original, it learns what is known about the file (judge()):
@@ -130,7 +130,7 @@ def install(strict: bool = False, wait: float | None = None) -> bool:
         _active = True
         patched = _wrap_imported()
     try:
-        from ckptwatch.writers import imports
+        from ckptwatch import postimport as imports
         imports.watch(dict.fromkeys(WATCHED, _on_import))
     except Exception:
         _counters["errors"] += 1
@@ -162,8 +162,8 @@ def _wrap_imported() -> bool:
 
 def uninstall() -> bool:
     global _active
-    if "ckptwatch.writers.imports" in sys.modules:
-        sys.modules["ckptwatch.writers.imports"].unwatch([_on_import])
+    if "ckptwatch.postimport" in sys.modules:
+        sys.modules["ckptwatch.postimport"].unwatch([_on_import])
     with _lock:
         _active = False
         restored = False

@@ -1,7 +1,7 @@
 """Checkpoint writers besides torch.save: safetensors, torch.distributed.checkpoint, fsspec.
 
 Loaded into training processes: standard library only; each writer's library is patched only
-once the process has imported it itself (ckptwatch/writers/imports.py), never imported by us.
+once the process has imported it itself (ckptwatch/postimport.py), never imported by us.
 
 Each writer module has KIND (its events.WRITER_* name), TARGETS (the modules it patches),
 install(module_name) -> bool (patch what belongs to that module, imported already),
@@ -40,7 +40,7 @@ def install() -> bool:
     True if this call patched something. Idempotent; a no-op under CKPTWATCH_DISABLE."""
     if paths.disabled():
         return False
-    from ckptwatch.writers import imports
+    from ckptwatch import postimport as imports
     patched = False
     waiting = {}
     for target, name in TARGETS.items():
@@ -75,7 +75,7 @@ def _loaded():
 
 def uninstall() -> bool:
     """Restore every writer still ours and stop watching imports. True if any was restored."""
-    from ckptwatch.writers import imports
+    from ckptwatch import postimport as imports
     imports.unwatch(_ON_IMPORT.values())
     restored = False
     for writer in _loaded():

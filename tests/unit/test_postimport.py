@@ -1,11 +1,11 @@
-"""ckptwatch/writers/imports.py: the post-import watch several parts of ckptwatch share (the
+"""ckptwatch/postimport.py: the post-import watch several parts of ckptwatch share (the
 writers patch a library's saves, the resume guard its loads), with real imports of modules
 written for the test."""
 import sys
 
 import pytest
 
-from ckptwatch.writers import imports
+from ckptwatch import postimport as imports
 
 
 @pytest.fixture
