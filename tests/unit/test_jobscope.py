@@ -7,6 +7,7 @@ events they would send to the agent are collected from their emit callback.
 """
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
@@ -106,6 +107,34 @@ def test_compaction_drops_a_stale_head_and_keeps_the_positions_of_the_rest():
     assert compacted(log, lambda key: True) == b""                  # all stale: delete
 
 
+def test_a_writer_kind_travels_in_the_log_as_a_known_kind_or_other():
+    """A safetensors/DCP/fsspec write's start line says its library ("wr"); torch.save's
+    says nothing (no key: its line is as before). What a log says is bounded: a known kind
+    as itself, anything else as "other"."""
+    from ckptwatch import events
+    from ckptwatch.jobkeys import remote_event
+    who = dict(ident("a", 0, 0), pid=1)
+    assert b'"wr"' not in start_line(who, 1, None, None, 10.0)
+    log = start_line(who, 1, None, None, 10.0, "safetensors") + start_line(who, 2, None, None,
+                                                                          10.0)
+    for n, hostile in enumerate([5, "x" * 5000, "\x1b[2J", ["dcp"], {"a": 1}, True, "fsspec",
+                                 "DCP"], start=3):
+        line = start_line(who, n, None, None, 10.0)
+        log += line.replace(b'"w":', b'"wr":' + json.dumps(hostile).encode() + b',"w":')
+    log += end_line(who, 1, 11.0, 10, "ok", None) + end_line(who, 2, 11.0, 10, "ok", None)
+    kinds = [w.writer_kind for w in parse_log(log)]
+    assert kinds == ["safetensors", None] + ["other"] * 5 + ["fsspec", "other"]
+    mine, other = parse_log(_log(("s", "b", 2, 1, 10.0), ("e", "b", 2, 1, 11.0)))[0], \
+        parse_log(log)[0]
+    event = remote_event(dict(ident("b", 1, 0), pid=2), 1, "/mnt/shared/x", 1.0, 2.0, mine,
+                         other, 12.0)
+    assert event["writer_kind"] == "safetensors" and event["writer"]["node"] == "a"
+    assert events.validate(dict(event)) is not None       # the agent accepts it
+    plain = remote_event(dict(ident("b", 1, 0), pid=2), 1, "/mnt/shared/x", 1.0, 2.0, mine,
+                         parse_log(log)[1], 12.0)
+    assert "writer_kind" not in plain
+
+
 # ---- with a real store --------------------------------------------------------------------
 
 @pytest.mark.torch
@@ -115,7 +144,7 @@ def test_two_nodes_learn_each_others_overlapping_write_and_name_the_hazards(job_
     c = Rank(job_store.port, "node-a", 1, 1)             # a local peer of a: not reported remote
     wait_for(lambda: a.active() and b.active() and c.active(), message="connected")
     path = os.path.join(SHARED, "last.pt")
-    pa, pb, pc = a.begin(path), b.begin(path), c.begin(path)
+    pa, pb, pc = a.begin(path), b.begin(path, writer="dcp"), c.begin(path)
     # The three starts are in the log before any end is sent: they overlap in the store's
     # order. (Sent within microseconds on three connections, a start and an end could reach
     # the server in either order: the ordering tolerance.)
@@ -130,6 +159,8 @@ def test_two_nodes_learn_each_others_overlapping_write_and_name_the_hazards(job_
              message="a watch read after the ends")
     assert a.remote_writers() == [("node-b", 2, True)]
     remote_a = a.of_type("remote")[0]
+    assert remote_a["writer_kind"] == "dcp"        # b's library, across the store
+    assert all("writer_kind" not in r for r in b.of_type("remote"))     # torch.save
     assert remote_a["seq"] == pa[1] and remote_a["path"] == path
     assert remote_a["start_mono"] <= remote_a["end_mono"]
     assert sorted(b.remote_writers()) == [("node-a", 0, True), ("node-a", 1, True)]
@@ -336,7 +367,8 @@ def test_start_and_end_lines_read_as_the_dicts_they_stand_for():
         seq = rng.randrange(1, 1 << 40)
         wall = rng.uniform(0, 2e9)
         where = rng.choice([(None, None), (code, rng.randrange(1, 5000))])
-        got = start_line(who, seq, *where, wall)
+        writer = rng.choice([None, "safetensors", "dcp"])
+        got = start_line(who, seq, *where, wall, writer)
         assert got[:1] == b"\n" and got[-1:] == b"\n" and got.count(b"\n") == 2
         assert json.loads(got) == json.loads(_reference_line(
             {"k": "s", "n": who.get("node"), "p": who.get("pid"), "q": seq,
@@ -344,7 +376,8 @@ def test_start_and_end_lines_read_as_the_dicts_they_stand_for():
              "lws": who.get("local_world_size"), "nr": who.get("node_rank"),
              "w": float(f"{wall:.6f}"),
              "site": f"{where[0].co_filename}:{where[1]}" if where[0] else None,
-             "func": where[0].co_name if where[0] else None}))
+             "func": where[0].co_name if where[0] else None,
+             **({} if writer is None else {"wr": writer})}))
         size = rng.choice([None, 0, 4096, 1 << 45])
         outcome = rng.choice(["ok", "RuntimeError", 'Odd"Error'])
         shared = rng.choice([None, "mount:nfs4", 'x"y'])
