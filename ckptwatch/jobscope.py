@@ -27,10 +27,15 @@ Reads (each a GET of one path's log, the only reads job scope makes):
   after FOLLOW_FIRST, doubling up to FOLLOW_MAX, until it closes (at most a window);
 - on a path that does not name our rank or node, or that another rank wrote too (a path some
   other rank may write later: a redundant write we must hear of), after POLL_FIRST, doubling,
-  until a window after our end: about log2(window / POLL_FIRST) reads, not one per poll tick;
+  until a window after the latest end of the chain of writes linked to ours (jobkeys.linked;
+  at most until clean-up): about log2(window / POLL_FIRST) reads, not one per poll tick;
+- on a path that names our rank or node, once more a window after our end (spread over
+  READ_SPREAD): nobody else is expected to write it, but a rank that does within the window is
+  a redundant write (the `model_{local_rank}.pt` bug on shared storage) our agent must hear of;
+  a watch from there if that read finds one;
 - at exit (below), and once 2 windows after our end, to delete (or compact) the log when every
   write in it is that old.
-So a rank makes, per write: 2 APPENDs + 1 GET + 2 for clean-up, plus at most
+So a rank makes, per write: 2 APPENDs + 2 GETs + 2 for clean-up, plus at most
 1 + ceil(log2(window / POLL_FIRST)) GETs when the path is one others may write, plus the
 follow reads while an overlapping write is open. docs/performance.md has the measured figures.
 
@@ -41,6 +46,10 @@ its paths' logs once more and waits for the groups of its writes to close. All o
 exit_wait (CKPTWATCH_JOBSCOPE_EXIT_WAIT, default EXIT_WAIT) in all: a rank that crashed or
 does not run job scope costs the others that wait, once; a store that stalls costs at most
 that, and never the exit status.
+
+A process that ends without atexit (os._exit, SIGKILL) reads nothing: its agent reads the store
+for its recent writes instead, at the address named in our "jobscope" event
+(monitor/agent/storereader.py); a completed exit says "settled" so the agent need not.
 
 Failure: the store is reached within CONNECT_BUDGET (retried with backoff; ranks may start
 before it), or job scope is disabled. An operation that fails or passes its deadline, a server

@@ -14,8 +14,9 @@ What runs where:
   ckptwatch.events), its recent writes from its own start / end events. When that process
   hangs up and is gone (ingest's hang-up; /proc says it is exiting, a zombie or absent) without
   having said it settled (the "jobscope" event's settled: it read everything at exit), each of
-  its writes that ended within a window -- or was in flight: lost at the hang-up -- is handed
-  to the reader as a Follow.
+  its writes that ended within CLEAN_AFTER windows -- as long as its own job scope could still
+  have been reading for it, a chain going on -- or was in flight (lost at the hang-up) is
+  handed to the reader as a Follow.
 - StoreReader, one daemon thread: reads each Follow's log on the schedule the process's own job
   scope would have kept (at once, then every FOLLOW_FIRST doubling while the group holding the
   write is open, then POLL_FIRST doubling until a window after the latest end of its chain, at
@@ -31,7 +32,8 @@ and MAX_WRITES_PER_PROC writes each remembered, MAX_FOLLOWS writes followed, MAX
 connections held (the least recently used one closed beyond), every connection made only with
 TCPStore's handshake (ckptwatch.storewire), every operation under OP_TIMEOUT, every value read
 bounded by the log's caps (ckptwatch.jobkeys.MAX_LOG_BYTES; READ_BUDGET thrown away at most),
-keys only under our prefix, a store that fails left alone for STORE_BACKOFF. Name resolution of
+keys only under our prefix, a store that fails left alone for STORE_BACKOFF (a write is
+tried again after it, until its horizon). Name resolution of
 a host name is the resolver's (its own timeouts); it runs on the reader's thread, never the
 loop's. docs/security.md says what a hostile sender can make the agent do.
 """
@@ -58,8 +60,8 @@ MAX_PROCS = 4096            # local processes whose store address is remembered
 MAX_WRITES_PER_PROC = 64    # recent writes remembered per process (the oldest forgotten)
 MAX_FOLLOWS = 4096          # writes followed at once; beyond, counted and not followed
 MAX_STORES = 16             # store connections held at once
-OP_TIMEOUT = 2.0            # one store operation (connect + handshake included)
-STORE_BACKOFF = 5.0         # a store that failed is not tried again for this long
+OP_TIMEOUT = 5.0            # one store operation (connect + handshake included), as job scope's
+STORE_BACKOFF = 1.0         # a store that failed is not tried again for this long
 READ_BUDGET = 1 << 20       # bytes of an oversized value read and thrown away at most
 FOLLOW_FIRST, FOLLOW_MAX = 0.05, 1.0     # as job scope's (ckptwatch/jobscope.py)
 POLL_FIRST = 0.25
@@ -189,13 +191,18 @@ class Handover:
                 ew, em, outcome, size = w["ew"], w["em"], w["outcome"], w["size"]
             else:                       # in flight when it died: lost at the hang-up
                 ew, em, outcome, size = max(wall, w["sw"]), max(mono, w["sm"]), "lost", None
-            if mono > em + self._window:
-                continue                # its own job scope would no longer watch it
+            if mono > em + CLEAN_AFTER * self._window:
+                # Its own job scope would no longer read for it. (Within a window of its end it
+                # would; up to clean-up, if a chain went on: one read here tells which.)
+                continue
             follow = Follow(proc["store"], w["ident"], seq, w["path"], w["sw"], w["sm"], ew,
                             em, outcome, size, self._window)
             if self._reader.submit(follow):
                 handed += 1
         self.handed_over += handed
+        if handed:
+            log.info("process gone without reading its job's store: the agent reads it",
+                     extra={"fields": {"pid": pid, "writes": handed}})
         return handed
 
 
@@ -219,6 +226,7 @@ class StoreReader:
         self._finished = 0
         self._stores: OrderedDict[tuple, StoreClient] = OrderedDict()
         self._failed: dict[tuple, float] = {}        # store -> retry not before (mono)
+        self._warned: OrderedDict[tuple, None] = OrderedDict()   # stores logged as failed
         self._wake = threading.Event()
         self._stopping = False
         self._thread: threading.Thread | None = None
@@ -282,12 +290,18 @@ class StoreReader:
         heapq.heappush(self._due, (when, next(self._order), follow))
 
     def _turn(self, follow: Follow) -> None:
-        now = self._clock()
         is_open = self._read(follow)
-        if is_open is None and now >= follow.until:
-            self._finished += 1         # the store is out of reach: give up at the horizon
+        now = self._clock()
+        if is_open is None:
+            # The store could not be read (a timeout under load, a restart): tried again once
+            # its back-off has passed, until the write's horizon.
+            retry = max(self._failed.get(follow.store, now), now + FOLLOW_FIRST)
+            if retry >= follow.stop_at:
+                self._finished += 1
+            else:
+                self._schedule(follow, retry)
             return
-        nxt = self._next_read(follow, bool(is_open), self._clock())
+        nxt = self._next_read(follow, is_open, now)
         if nxt is None:
             self._finished += 1
             return
@@ -332,9 +346,12 @@ class StoreReader:
         client = self._stores.pop(store, None)
         if client is not None:
             client.close()
-        if store not in self._failed or self._clock() >= self._failed[store]:
-            log.warning("store reader: job store unusable, retried in %.0fs",
-                        STORE_BACKOFF, extra={"fields": {
+        if store not in self._warned:       # once per store: a dead one is retried often
+            self._warned[store] = None
+            if len(self._warned) > 4 * MAX_STORES:
+                self._warned.popitem(last=False)
+            log.warning("store reader: job store unusable (retried every %.0fs while a write "
+                        "needs it)", STORE_BACKOFF, extra={"fields": {
                             "store": f"{store[0][:253]}:{store[1]}", "reason": exc.reason}})
         self._failed[store] = self._clock() + STORE_BACKOFF
         if len(self._failed) > 4 * MAX_STORES:

@@ -117,7 +117,10 @@ def test_only_a_gone_process_that_did_not_settle_is_read_for():
     assert handover.hung_up(21, 12.0, 102.0) == 0                   # once
 
 
-def test_a_write_older_than_a_window_is_not_read_for():
+def test_a_write_older_than_two_windows_is_not_read_for():
+    """Two windows after its end (clean-up) the process's own job scope reads no more for a
+    write; before that it may, a chain going on (a rank SIGTERMed 2.07 s after a save, with
+    another node's save 1.2 s after it, in a 2 s window: seed 3 of bench/groundtruth.py)."""
     handed = []
 
     class Reader:
@@ -129,8 +132,10 @@ def test_a_write_older_than_a_window_is_not_read_for():
     handover.announced(jobscope_event(31), "node-a")
     handover.wrote({"type": "end", "pid": 31, "seq": 1, "path": "/s/old.pt", "wall": 100.0,
                     "mono": 10.0, "start_wall": 99.0, "start_mono": 9.0, "outcome": "ok"})
-    assert handover.hung_up(31, 12.5, 102.5) == 0
-    assert handed == []
+    handover.wrote({"type": "end", "pid": 31, "seq": 2, "path": "/s/recent.pt", "wall": 102.0,
+                    "mono": 12.0, "start_wall": 101.0, "start_mono": 11.0, "outcome": "ok"})
+    assert handover.hung_up(31, 14.07, 104.07) == 1
+    assert [f.path for f in handed] == ["/s/recent.pt"]
 
 
 def test_what_is_remembered_is_bounded(monkeypatch):
@@ -297,7 +302,7 @@ def test_a_store_that_is_not_there_or_does_not_answer_costs_bounded_time(monkeyp
         wait_for(lambda: agent.reader.following == 0, timeout=10,
                  message="the follows given up at their horizon")
         assert agent.results() == []
-        assert agent.reader.counters["errors"] <= 4          # backed off, not hammered
+        assert agent.reader.counters["errors"] <= 6          # backed off, not hammered
     finally:
         agent.close()
         silent.close()
