@@ -406,7 +406,9 @@ class Agent:
             finding = self.job_scope.hazard(event)
             if finding is not None:
                 self.publish([finding])        # exported, and noticed to its writer (warn)
-        else:
+        elif event.get("settled") is not True:
+            # (A "settled" event says the process read all it needed at exit, for the store
+            # reader: not a change of state, neither counted nor logged as one.)
             self.state.job_scope(event.get("job") or "", event["state"])
             self.job_scope.state_reported(event)
 
