@@ -6,18 +6,24 @@ In-process API (stdlib only; torch is imported lazily, never by this package its
     ckptwatch.install()     # patch torch.save now, or as soon as torch is imported
     ckptwatch.uninstall()   # restore the original torch.save (only if still ours)
     ckptwatch.CheckpointCollisionWarning   # what CKPTWATCH_POLICY=warn issues (ckptwatch.policy)
+    ckptwatch.CheckpointRefused    # what a load raises under CKPTWATCH_POLICY=strict
+                                   # (ckptwatch.resumeguard)
 """
 from ckptwatch.version import __version__
 
-__all__ = ["CheckpointCollisionWarning", "__version__", "install", "is_installed", "uninstall"]
+__all__ = ["CheckpointCollisionWarning", "CheckpointRefused", "__version__", "install",
+           "is_installed", "uninstall"]
 
 
 def __getattr__(name):
-    # Lazily: ckptwatch.policy imports logging, which every Python process under the
+    # Lazily: ckptwatch.policy and ckptwatch.resumeguard import logging, which every Python process under the
     # bootstrap would otherwise pay for.
     if name == "CheckpointCollisionWarning":
         from ckptwatch.policy import CheckpointCollisionWarning
         return CheckpointCollisionWarning
+    if name == "CheckpointRefused":
+        from ckptwatch.resumeguard import CheckpointRefused
+        return CheckpointRefused
     raise AttributeError(f"module 'ckptwatch' has no attribute {name!r}")
 
 

@@ -83,6 +83,10 @@ rejects only these (as "incomplete") and counts them.
   bytes        int|null; outcome str; site, func str|null   as in "end"
   overlap      bool|null  the store's verdict (null: walls decided)
   shared       str|null   why the remote node sees the path as shared storage
+  writer_kind  str   (optional; absent: torch.save) the library the remote writer used, as
+                     "writer" of "start" (named apart: "writer" here is who); job scope
+                     sends a WRITER_KINDS name or "other", never what a log line said
+                     (ckptwatch.jobkeys.writer_kind); the agent bounds it the same way
 
   "hazard": a save that will collide sooner or later, reported even though nothing collided.
   kind         str   "local_rank_guard" | "shared_storage_multi_writer"
@@ -403,7 +407,7 @@ _REMOTE = (("seq", _INT), ("path", _STR), ("wall", _NUM), ("wseq", _INT),
            ("start_wall", _NUM), ("end_wall", _NUM), ("start_mono", _NUM), ("end_mono", _NUM),
            ("outcome", _STR))
 _REMOTE_OPTIONAL = (("bytes", _OPT_INT), ("site", _OPT_STR), ("func", _OPT_STR),
-                    ("overlap", _BOOL_OPT), ("shared", _OPT_STR))
+                    ("overlap", _BOOL_OPT), ("shared", _OPT_STR), ("writer_kind", _OPT_STR))
 _REMOTE_WRITER = _WRITER_ID
 _REMOTE_WRITER_OPTIONAL = _WRITER_OPTIONAL
 _HAZARD = (("kind", _STR), ("seq", _INT), ("path", _STR), ("shared", _STR), ("wall", _NUM))
@@ -480,7 +484,8 @@ def _validate_job_scope(event: dict, kind: str) -> dict:
             raise EventError(REJECT_INCOMPLETE, "remote times must be finite")
         if not event["start_mono"] <= event["end_mono"]:
             raise EventError(REJECT_INCOMPLETE, "remote interval ends before it starts")
-        _bounded_text(event, ("node", "path", "outcome", "site", "func", "shared"))
+        _bounded_text(event, ("node", "path", "outcome", "site", "func", "shared",
+                              "writer_kind"))
         _bounded_text(writer, ("node", "job", "master"))
     if event["path"][:1] != "/":
         raise EventError(REJECT_INCOMPLETE, "path must be absolute")

@@ -232,16 +232,18 @@ def _install_resume_guard(strict: bool) -> None:
 
 def _own_site(site: str) -> str | None:
     """Our own text of `site` if a save was reported from that call site (cached in
-    _codes), else None: the warn policy attributes a notice's warning to a file only then
-    (ckptwatch/policy.py). Runs on the sender thread: list() copies in one step under the
-    GIL what the save path may add to meanwhile."""
+    _codes), or a write by the other writers (ckptwatch/writers/record.py, loaded once one
+    of their libraries is), else None: the warn policy attributes a notice's warning to a
+    file only then (ckptwatch/policy.py). Runs on the sender thread: list() copies in one
+    step under the GIL what the save path may add to meanwhile."""
     for code, sites in list(_codes.values()):
         if sites is not None:
             for entry in list(sites.values()):
                 mine = f"{code.co_filename}:{entry[1]}"
                 if mine == site:
                     return mine
-    return None
+    writers = sys.modules.get("ckptwatch.writers.record")
+    return writers.own_site(site) if writers is not None else None
 
 
 def uninstall() -> bool:

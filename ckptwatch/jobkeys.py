@@ -35,7 +35,7 @@ import hashlib
 import json
 import math
 
-from ckptwatch.events import SCHEMA_VERSION
+from ckptwatch.events import SCHEMA_VERSION, WRITER_KINDS, WRITER_OTHER
 from ckptwatch.jobrun import job_run
 
 EPS = 1e-6
@@ -77,14 +77,18 @@ def _line(obj: dict) -> bytes:
         "ascii") + b"\n"
 
 
-def start_line(ident: dict, seq: int, code, line, wall: float) -> bytes:
-    """The start of our write `seq`: who writes, from where, when (our wall clock)."""
-    return _line({"k": "s", "n": ident.get("node"), "p": ident.get("pid"), "q": seq,
-                  "r": ident.get("rank"), "l": ident.get("local_rank"),
-                  "ws": ident.get("world_size"), "lws": ident.get("local_world_size"),
-                  "nr": ident.get("node_rank"), "w": _micro(wall),
-                  "site": f"{code.co_filename}:{line}" if code is not None else None,
-                  "func": code.co_name if code is not None else None})
+def start_line(ident: dict, seq: int, code, line, wall: float, writer=None) -> bytes:
+    """The start of our write `seq`: who writes, from where, when (our wall clock), and with
+    which library (`writer`, an events.WRITER_KINDS name; None, and no "wr" key: torch.save)."""
+    rec = {"k": "s", "n": ident.get("node"), "p": ident.get("pid"), "q": seq,
+           "r": ident.get("rank"), "l": ident.get("local_rank"),
+           "ws": ident.get("world_size"), "lws": ident.get("local_world_size"),
+           "nr": ident.get("node_rank"), "w": _micro(wall),
+           "site": f"{code.co_filename}:{line}" if code is not None else None,
+           "func": code.co_name if code is not None else None}
+    if writer is not None:
+        rec["wr"] = writer
+    return _line(rec)
 
 
 def end_line(ident: dict, seq: int, wall: float, size, outcome: str, shared) -> bytes:
@@ -116,6 +120,15 @@ def clean_text(value, limit: int):
                    if ord(c) < 256 else f"\\u{ord(c):04x}" for c in value)
 
 
+def writer_kind(value):
+    """A log line's "wr" as we may pass it on: None when absent (torch.save), a known kind
+    (events.WRITER_KINDS) as itself, anything else -- another string, any other type -- as
+    "other": a fixed set, whatever a rank (or someone else with the store) wrote."""
+    if value is None:
+        return None
+    return value if type(value) is str and value in WRITER_KINDS else WRITER_OTHER
+
+
 def _int(value, low: int = -1):
     return value if type(value) is int and low <= value <= MAX_INT else None
 
@@ -130,7 +143,7 @@ class LoggedWrite:
 
     __slots__ = ("node", "pid", "seq", "rank", "local_rank", "world_size",
                  "local_world_size", "node_rank", "site", "func", "sw", "ew", "ts", "te",
-                 "bytes", "outcome", "shared")
+                 "bytes", "outcome", "shared", "writer_kind")
 
     def __init__(self, rec: dict, pos: int):
         self.node, self.pid, self.seq = rec["n"], rec["p"], rec["q"]
@@ -139,6 +152,7 @@ class LoggedWrite:
         self.node_rank = _int(rec.get("nr"))
         self.site = clean_text(rec.get("site"), MAX_SITE)
         self.func = clean_text(rec.get("func"), MAX_FUNC)
+        self.writer_kind = writer_kind(rec.get("wr"))
         self.sw, self.ts = rec["w"], pos
         self.ew = self.te = self.bytes = self.outcome = self.shared = None
 
@@ -342,10 +356,13 @@ def remote_event(ident: dict, seq: int, path: str, sm: float, em: float, mine: L
     writer = other.writer()
     writer.update(job=ident.get("job"), master=ident.get("master"),
                   restart=ident.get("restart"))
-    return {"v": SCHEMA_VERSION, "type": "remote", "node": ident["node"], "pid": ident["pid"],
-            "seq": seq, "path": path, "wall": wall, "writer": writer, "wseq": other.seq,
-            "start_wall": other.sw, "end_wall": other.ew, "start_mono": start_mono,
-            "end_mono": end_mono, "bytes": other.bytes, "outcome": other.outcome,
-            "site": other.site, "func": other.func, "overlap": overlap,
-            "shared": other.shared}
+    event = {"v": SCHEMA_VERSION, "type": "remote", "node": ident["node"], "pid": ident["pid"],
+             "seq": seq, "path": path, "wall": wall, "writer": writer, "wseq": other.seq,
+             "start_wall": other.sw, "end_wall": other.ew, "start_mono": start_mono,
+             "end_mono": end_mono, "bytes": other.bytes, "outcome": other.outcome,
+             "site": other.site, "func": other.func, "overlap": overlap,
+             "shared": other.shared}
+    if other.writer_kind is not None:
+        event["writer_kind"] = other.writer_kind
+    return event
 

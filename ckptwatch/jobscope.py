@@ -190,7 +190,9 @@ class JobScope:
 
     # ---- caller side (the save path): never waits, never raises ---------------------------
 
-    def started(self, pending) -> None:
+    def started(self, pending, writer=None) -> None:
+        """pending: the hook's (ident, seq, path, code, line, wall, mono); writer: the
+        library that writes (ckptwatch/writers; None: torch.save)."""
         try:
             if self._forked or self._stopping:
                 return
@@ -200,7 +202,8 @@ class JobScope:
             ident, seq, path, code, line, wall, _ = pending
             if self.state != STATE_DISABLED:
                 self._announce(append_frame(self._key(path),
-                                            start_line(ident, seq, code, line, wall)))
+                                            start_line(ident, seq, code, line, wall,
+                                                       writer)))
             self._notes.append(("s", pending))
             if self._idle:
                 self._wake.set()

@@ -5,8 +5,11 @@ process has imported them itself.
 
 install() wraps `torch.load` (and torch.serialization.load), and, when imported,
 `safetensors.torch.load_file`, `safetensors.safe_open` and `torch.distributed.checkpoint.load`
-(ckptwatch.hook calls it at its own install(), and patches the ones imported later through the
-bootstrap's watch). The wrapper passes the untouched arguments to the original and returns its
+(ckptwatch.hook calls it at its own install(), which under `ckptwatch run` is when torch is
+imported; safetensors and torch.distributed.checkpoint imported later are wrapped as soon as
+their import completes, through the post-import watch, ckptwatch/postimport.py).
+A load nested in a guarded one (safetensors' load_file opens the file with safe_open) is not
+judged again: the outer load was. The wrapper passes the untouched arguments to the original and returns its
 value; before it calls the original, it learns what is known about the file (judge()):
 
 1. The verdict stored with the file: the extended attribute user.ckptwatch.verdict that the
@@ -76,6 +79,8 @@ TARGETS = (("torch", "load", "torch"), ("torch.serialization", "load", "torch"),
            ("safetensors", "safe_open", "safetensors"),
            ("torch.distributed.checkpoint", "load", "dcp"),
            ("torch.distributed.checkpoint.state_dict_loader", "load", "dcp"))
+# Modules whose import, when it comes after install(), wraps what TARGETS names in them.
+WATCHED = ("safetensors", "safetensors.torch", "torch.distributed.checkpoint")
 
 
 class CheckpointRefused(RuntimeError):
@@ -123,22 +128,42 @@ def install(strict: bool = False, wait: float | None = None) -> bool:
         _strict = strict
         _wait = wait_from_env() if wait is None else wait
         _active = True
-        patched = False
-        for module_name, attr, kind in TARGETS:
-            module = sys.modules.get(module_name)
-            current = getattr(module, attr, None) if module is not None else None
-            if current is None or _is_ours(current):
-                continue
-            try:
-                setattr(module, attr, _wrapper_for(current, kind))
-                patched = True
-            except (AttributeError, TypeError):
-                pass
-        return patched
+        patched = _wrap_imported()
+    try:
+        from ckptwatch import postimport as imports
+        imports.watch(dict.fromkeys(WATCHED, _on_import))
+    except Exception:
+        _counters["errors"] += 1
+    return patched
+
+
+def _on_import() -> None:
+    """A module of WATCHED finished importing after install(): wrap its loads."""
+    with _lock:
+        if _active:
+            _wrap_imported()
+
+
+def _wrap_imported() -> bool:
+    """Wrap every load in TARGETS whose module is imported now (holding _lock)."""
+    patched = False
+    for module_name, attr, kind in TARGETS:
+        module = sys.modules.get(module_name)
+        current = getattr(module, attr, None) if module is not None else None
+        if current is None or _is_ours(current):
+            continue
+        try:
+            setattr(module, attr, _wrapper_for(current, kind))
+            patched = True
+        except (AttributeError, TypeError):
+            pass
+    return patched
 
 
 def uninstall() -> bool:
     global _active
+    if "ckptwatch.postimport" in sys.modules:
+        sys.modules["ckptwatch.postimport"].unwatch([_on_import])
     with _lock:
         _active = False
         restored = False
@@ -164,17 +189,18 @@ def _wrapper_for(original, kind: str):
     def load(*args, **kwargs):
         if not _active or getattr(_local, "busy", False):
             return original(*args, **kwargs)
-        _local.busy = True          # our own work is never guarded again
+        # Our own work, and a load nested in this one, are not judged again.
+        _local.busy = True
         try:
             pending = _before(kind, args, kwargs)   # strict: may raise CheckpointRefused
+            if pending is None:
+                return original(*args, **kwargs)
+            try:
+                return original(*args, **kwargs)
+            finally:
+                _after(pending)     # the line comes before the load returns (or raises)
         finally:
             _local.busy = False
-        if pending is None:
-            return original(*args, **kwargs)
-        try:
-            return original(*args, **kwargs)
-        finally:
-            _after(pending)         # the line comes before the load returns (or raises)
 
     setattr(load, MARKER, original)
     _wrappers.append(load)

@@ -102,9 +102,13 @@ def finding_fields(f: Finding) -> tuple[str, dict] | None:
                              "writers": _finding_writers(f)}
     if f.kind == FINDING_VERIFICATION:
         if f.get("result") == "ok" and f.get("pickle") == "full_unpickle":
-            names = ", ".join(clean(n) for n in f.get("refused_globals") or ())
-            return (f"checkpoint {path} names callables torch.load(weights_only=True) refuses "
-                    f"({names}): loading it with weights_only=False would call them")
+            names = f.get("refused_globals")
+            names = names if isinstance(names, (list, tuple)) else ()
+            return "checkpoint needs a full unpickle", {
+                "path": f.path, "training_job": f.job,
+                "refused_globals": [clean(n) for n in names[:MAX_WRITERS_LISTED]],
+                "what": "torch.load(weights_only=True) refuses these callables; loading it "
+                        "with weights_only=False would call them"}
         if f.get("result") != "corrupt":
             return None
         return "corrupt checkpoint", {"path": f.path, "training_job": f.job,

@@ -1,7 +1,7 @@
 """Checkpoint writers besides torch.save: safetensors, torch.distributed.checkpoint, fsspec.
 
 Loaded into training processes: standard library only; each writer's library is patched only
-once the process has imported it itself (ckptwatch/writers/imports.py), never imported by us.
+once the process has imported it itself (ckptwatch/postimport.py), never imported by us.
 
 Each writer module has KIND (its events.WRITER_* name), TARGETS (the modules it patches),
 install(module_name) -> bool (patch what belongs to that module, imported already),
@@ -40,14 +40,14 @@ def install() -> bool:
     True if this call patched something. Idempotent; a no-op under CKPTWATCH_DISABLE."""
     if paths.disabled():
         return False
-    from ckptwatch.writers import imports
+    from ckptwatch import postimport as imports
     patched = False
     waiting = {}
     for target, name in TARGETS.items():
         if target in sys.modules:
             patched = _install_one(name, target) or patched
         else:
-            waiting[target] = functools.partial(_install_one, name, target)
+            waiting[target] = _ON_IMPORT[target]
     if waiting:
         imports.watch(waiting)
     return patched
@@ -62,6 +62,12 @@ def _install_one(name: str, target: str) -> bool:
         return False
 
 
+# One callback object per target, so that watching again (a second install()) adds nothing:
+# imports.watch is idempotent per callback.
+_ON_IMPORT = {target: functools.partial(_install_one, name, target)
+              for target, name in TARGETS.items()}
+
+
 def _loaded():
     return [sys.modules[f"ckptwatch.writers.{name}"] for name in WRITER_MODULES
             if f"ckptwatch.writers.{name}" in sys.modules]
@@ -69,8 +75,8 @@ def _loaded():
 
 def uninstall() -> bool:
     """Restore every writer still ours and stop watching imports. True if any was restored."""
-    from ckptwatch.writers import imports
-    imports.unwatch()
+    from ckptwatch import postimport as imports
+    imports.unwatch(_ON_IMPORT.values())
     restored = False
     for writer in _loaded():
         try:

@@ -131,7 +131,7 @@ def begin(path: str, kind: str, skip: tuple = ()) -> Started | None:
         emitter.record(events.encode(start))           # before the first byte
         _remember_site(code, line)
         if hook._jobscope is not None:
-            hook._jobscope.started(pending)
+            hook._jobscope.started(pending, kind)
         _counters["reported"] += 1
     except Exception:
         _counters["errors"] += 1

@@ -2,7 +2,7 @@
 
 save_model calls save_file through its module's global name, and transformers and accelerate
 bind `from safetensors.torch import save_file` while they import, after safetensors.torch has
-finished importing: patched at that moment (ckptwatch/writers/imports.py) every one of those
+finished importing: patched at that moment (ckptwatch/postimport.py) every one of those
 names is our wrapper. A name bound before the patch keeps the original, as with torch.save.
 
 The write reported is the target path from before safetensors creates anything until

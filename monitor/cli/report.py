@@ -26,7 +26,7 @@ from monitor.cli.journalrecords import integer, number, text
 from monitor.cli.journalview import MAX_RECORDS_KEPT, JournalSummary, summarize
 from monitor.cli.style import NORMAL, VERBOSE, Painter, UsageError, verbosity
 from monitor.cli.textfmt import clock_time, human_bytes, keep_head, keep_tail, wrapped
-from monitor.detect.model import KIND_CONCURRENT, Collision, Write
+from monitor.detect.model import KIND_CONCURRENT, SOURCE_HOOK, SOURCE_JOB, Collision, Write
 
 EXIT_OK = 0
 EXIT_FOUND = 1          # a collision, a hazard or an unusable (corrupt, incomplete) checkpoint
@@ -48,12 +48,14 @@ def _site(w: Write) -> str:
 
 
 def writer_kinds(c: Collision) -> list:
-    """The libraries that wrote, when a hook said which (events' `writer`): a hook write
-    that does not say went through torch.save. Empty when no write says (torch.save only,
-    or the filesystem's writes), so a plain torch.save report reads as it always did."""
+    """The libraries that wrote, when a hook said which (events' `writer`; job scope passes
+    another node's on): a hook's or job scope's write that does not say went through
+    torch.save. Empty when no write says (torch.save only, or the filesystem's writes), so a
+    plain torch.save report reads as it always did."""
     if all(w.writer_kind is None for w in c.writes):
         return []
-    kinds = {w.writer_kind or ("torch.save" if w.source == "hook" else None)
+    kinds = {w.writer_kind or ("torch.save" if w.source in (SOURCE_HOOK, SOURCE_JOB)
+                               else None)
              for w in c.writes}
     return sorted(clean(kind) for kind in kinds if kind is not None)
 

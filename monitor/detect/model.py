@@ -187,11 +187,12 @@ class Write:
                    reporter=rec.get("reported_by"), writer_kind=writer_kind_of(rec))
 
 
-def writer_kind_of(event: dict) -> str | None:
-    """An event's or record's `writer`, bounded to the known kinds: None if absent or not a
-    string, a known kind as itself, any other string as WRITER_OTHER (a sender may say
-    anything; it never becomes a label, a record or a line of text as sent)."""
-    kind = event.get("writer")
+def writer_kind_of(event: dict, key: str = "writer") -> str | None:
+    """An event's or record's `writer` (a remote event's `writer_kind`: its `writer` is the
+    writer's identity), bounded to the known kinds: None if absent or not a string, a known
+    kind as itself, any other string as WRITER_OTHER (a sender may say anything; it never
+    becomes a label, a record or a line of text as sent)."""
+    kind = event.get(key)
     if kind is None or type(kind) is not str:
         return None
     return kind if kind in _WRITER_KINDS else WRITER_OTHER

@@ -12,7 +12,7 @@ and who reported it (monitor.detect.grouping).
 from __future__ import annotations
 
 from collections import OrderedDict
-from monitor.detect.model import REMOTE_REJECT_REASONS, SOURCE_JOB, Writer
+from monitor.detect.model import REMOTE_REJECT_REASONS, SOURCE_JOB, Writer, writer_kind_of
 from monitor.detect.tracked import Entry, PathState
 
 # Remote writes held per path and in all, and how many remote write keys are remembered so a
@@ -70,6 +70,7 @@ def remote_entry(event: dict, writer: Writer, order: int, now: float) -> Entry:
     entry = Entry(writer, event["path"], event["wseq"], event["start_wall"], event["start_mono"],
                   event.get("site"), event.get("func"), order, now, SOURCE_JOB)
     entry.reporter = event["pid"]
+    entry.writer_kind = writer_kind_of(event, "writer_kind")   # the remote writer's library
     entry.finish(event["end_wall"], event["end_mono"], event.get("bytes"), event["outcome"],
                  now)
     return entry

@@ -126,25 +126,32 @@ def test_accelerate_save_state_is_not_a_collision(agent, outdir):
     assert not agent.metric("ckptwatch_collisions_total", training_job=job)
 
 
-def test_accelerate_unguarded_torch_save_is_one_concurrent_collision(agent, outdir):
+def test_accelerate_unguarded_torch_save_is_one_collision_naming_both_ranks(agent, outdir):
+    """Both ranks save model.pt after wait_for_everyone(). Whether their writes overlap is up
+    to the scheduler (on a quiet machine a 16 MiB save can end before the other rank leaves the
+    barrier): overlapping writes are one concurrent collision, back-to-back ones one redundant
+    collision (the ground-truth checker, tests/e2e/test_groundtruth.py, holds the agent to the
+    right kind); either way one collision naming both ranks at the user's line."""
     pytest.importorskip("accelerate")
     path = os.path.join(outdir, "model.pt")
     script = os.path.join(SCRIPTS, "accel_job.py")
     job = run_job(agent, "acc-bug", [*TORCHRUN, script, "--out", outdir, "--save", "unguarded"])
-    found = wait_for(lambda: records_of(agent, job, "collision"), timeout=30,
+    found = wait_for(lambda: records_of(agent, job, "collision"), timeout=90,
                      message=f"collision record of {job}; agent log:\n{agent.log[-3000:]}")
     agent.wait_judged()
     found = records_of(agent, job, "collision")
     assert len(found) == 1, found
     c = found[0]
-    assert c["path"] == path and c["kind"] == "concurrent" and c["scope"] == "node"
+    assert c["path"] == path and c["kind"] in ("concurrent", "redundant") and \
+        c["scope"] == "node", c
     assert sorted(w["rank"] for w in c["writers"]) == [0, 1]
     assert len({w["pid"] for w in c["writers"]}) == 2
     # The call site is the user's unguarded line in the script.
     assert all(w["site"].startswith(script + ":") and w["func"] == "main"
                for w in c["writers"]), [w["site"] for w in c["writers"]]
-    assert c["overlap_seconds"] > 0
-    assert agent.metric("ckptwatch_collisions_total", training_job=job, kind="concurrent",
+    if c["kind"] == "concurrent":
+        assert c["overlap_seconds"] > 0
+    assert agent.metric("ckptwatch_collisions_total", training_job=job, kind=c["kind"],
                         scope="node") == 1
 
 
@@ -376,9 +383,9 @@ def job_collisions_on(agent, job: str, path: str) -> list:
 
 
 def assert_job_collision_on_both(agents, job: str, path: str, kind: str, site_dir: str):
-    """The same scope="job" collision on `path` on both agents: both nodes' ranks, the local
-    writer said which library wrote (None: torch.save, which does not say), the call sites
-    inside `site_dir`."""
+    """The same scope="job" collision on `path` on both agents: both nodes' ranks, each
+    writer -- the local one and the other node's, passed on by job scope -- said which
+    library wrote (None: torch.save, which does not say), the call sites inside `site_dir`."""
     found = {}
     for node, agent in agents.items():
         found[node] = wait_for(lambda: job_collisions_on(agent, job, path), timeout=90,
@@ -386,8 +393,7 @@ def assert_job_collision_on_both(agents, job: str, path: str, kind: str, site_di
         c = found[node][0]
         assert {w["rank"] for w in c["writers"]} == {0, 1}, c["writers"]
         assert {w["node"] for w in c["writers"]} == {"node-a", "node-b"}
-        local = [w for w in c["writers"] if w["node"] == node]
-        assert {w.get("writer") for w in local} == {kind}, local
+        assert {w.get("writer") for w in c["writers"]} == {kind}, c["writers"]
         assert all(w["site"] and w["site"].startswith(site_dir) for w in c["writers"]), \
             [w["site"] for w in c["writers"]]
     assert found["node-a"][0]["id"] == found["node-b"][0]["id"]

@@ -99,11 +99,14 @@ def raced():
     with start_agent(workdir, "--collision.settle", "0.5", "--verify.quiet", "0.5") as agent:
         out = os.path.join(workdir, "race")
         found = None
-        for attempt in range(3):          # ~half the torn files load; three runs of 8 races
+        # Same layout on every rank: a torn file keeps a valid zip and torch.load accepts it
+        # (different tensor lengths, as the demo saves, made one load in 24 races at best on a
+        # quiet machine, none in a whole-suite run); the records' CRCs still show the mix.
+        for attempt in range(3):
             shutil.rmtree(out, ignore_errors=True)
             os.makedirs(out)
             result = under_ckptwatch(agent.socket, [corpus.__file__, "--out", out, "--rounds",
-                                                    str(ROUNDS), "--width", "1024"], 4)
+                                                    str(ROUNDS), "--width", "1024", "--same-layout"], 4)
             assert result.returncode == 0, result.stderr[-4000:]
             files = sorted(os.path.join(out, f) for f in os.listdir(out))
             wait_for(lambda: all(tagged(f) for f in files), timeout=120,
@@ -152,7 +155,7 @@ def test_a_torn_file_that_loads_is_flagged_before_the_load_returns(raced):
         assert line.startswith("ckptwatch: ") and "is corrupt (" in line
         assert f"written by concurrent collision {collision['id']}" in line
         ranks = {w["rank"] for w in collision["writers"]}
-        assert all(f"rank {r} " in line for r in ranks)
+        assert all(f"rank {r} " in line for r in ranks), (line, collision)
         assert "do not resume from this file" in line.lower()
     # The same file under `ckptwatch scan` and in `ckptwatch report`: the same story, word
     # for word.
@@ -165,7 +168,8 @@ def test_a_torn_file_that_loads_is_flagged_before_the_load_returns(raced):
     report = subprocess.run([sys.executable, "-m", "monitor.cli", "report", "--journal",
                              agent.journal], env=_env(), cwd=REPO_ROOT, capture_output=True,
                             text=True, timeout=120)
-    assert report.returncode == 0, report.stderr
+    # exit 1: the report shows a collision and an unusable checkpoint (monitor/cli/report.py)
+    assert report.returncode == 1 and report.stderr == "", report.stderr
     assert " ".join(story.split()) in " ".join(report.stdout.split())
 
 

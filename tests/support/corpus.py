@@ -289,6 +289,10 @@ def _race_worker(argv=None) -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--rounds", type=int, default=20)
     p.add_argument("--width", type=int, default=2048)
+    p.add_argument("--same-layout", action="store_true",
+                   help="every rank's state has the same byte layout (same tensor lengths, "
+                        "different values): a torn file then keeps a valid structure and "
+                        "torch.load accepts it, while its records' CRCs show the mix")
     args = p.parse_args(argv)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -300,7 +304,8 @@ def _race_worker(argv=None) -> int:
     # Same content as monitor.cli.demo_job saves: identical weights, per-rank RNG state and
     # data-loader tensor (different lengths), so colliding writes carry different bytes.
     state = {"epoch": 0, "model": model.state_dict(), "optimizer": opt.state_dict(),
-             "rng": torch.get_rng_state(), "sampler_indices": sampler_indices(rank),
+             "rng": torch.get_rng_state(), "sampler_indices": (torch.arange(rank * 1000, rank * 1000 + 5000) if args.same_layout
+                                 else sampler_indices(rank)),
              "writer_rank": rank}
     torch.save(state, os.path.join(args.out, f"ref-rank{rank}.pt"))
     for i in range(args.rounds):

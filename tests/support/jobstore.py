@@ -49,10 +49,14 @@ class Rank:
                               shared=SharedPaths({"CKPTWATCH_SHARED_PATHS": shared_paths}),
                               **kw).start()
 
-    def begin(self, path: str):
+    def begin(self, path: str, writer: str | None = None):
+        """A write starts; writer: the library (ckptwatch/writers), None: torch.save."""
         self.seq += 1
         pending = (self.ident, self.seq, path, None, None, time.time(), time.monotonic())
-        self.scope.started(pending)
+        if writer is None:
+            self.scope.started(pending)             # as the torch.save hook calls it
+        else:
+            self.scope.started(pending, writer)
         return pending
 
     def end(self, pending, size: int = 4096) -> None:

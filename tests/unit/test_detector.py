@@ -722,6 +722,31 @@ def test_remote_write_overlapping_a_local_one_is_a_job_scope_collision():
     assert c.id != job_collision_id(run, PATH, tuple(w for w in c.writes if w is not first))
 
 
+@pytest.mark.parametrize("sent, kept", [(None, None), ("dcp", "dcp"),
+                                         ("safetensors", "safetensors"), ("Evil\x1b", "other")])
+def test_a_remote_writes_library_is_kept_bounded(sent, kept):
+    """Job scope passes the other node's writer kind on (`writer_kind`): the collision's
+    remote write carries it, bounded like a local one's; the report names both libraries."""
+    from monitor.cli.report import writer_kinds
+    clock = FakeClock(0.0)
+    det = make(clock, settle=0.5, job_settle=2.0)
+    out = feed(det, clock, [(0.0, dist_start(11, 1, 0.0, rank=0)),
+                            (1.0, dist_end(11, 1, 1.0, 0.0, rank=0))])
+    clock.now = 1.2
+    event = remote(11, 1, 99, 7, 0.5, 1.5)
+    if sent is not None:
+        event["writer_kind"] = sent
+    det.observe_remote(event)
+    for t in (1.6, 2.5, 3.4, 3.6):
+        clock.now = t
+        out += det.tick()
+    (c,) = collisions(out)
+    (remote_write,) = [w for w in c.writes if w.source == "job"]
+    assert remote_write.writer_kind == kept
+    assert writer_kinds(c) == ([] if kept is None else sorted({kept, "torch.save"}))
+    assert Write.from_record(remote_write.to_record()).writer_kind == kept
+
+
 def test_remote_writes_need_the_reporters_own_write_of_the_path():
     clock = FakeClock(0.0)
     det = make(clock)

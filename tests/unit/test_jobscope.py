@@ -7,6 +7,7 @@ events they would send to the agent are collected from their emit callback.
 """
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
@@ -122,6 +123,34 @@ def test_compaction_drops_a_stale_head_and_keeps_the_positions_of_the_rest():
     assert compacted(log, lambda key: True) == b""                  # all stale: delete
 
 
+def test_a_writer_kind_travels_in_the_log_as_a_known_kind_or_other():
+    """A safetensors/DCP/fsspec write's start line says its library ("wr"); torch.save's
+    says nothing (no key: its line is as before). What a log says is bounded: a known kind
+    as itself, anything else as "other"."""
+    from ckptwatch import events
+    from ckptwatch.jobkeys import remote_event
+    who = dict(ident("a", 0, 0), pid=1)
+    assert b'"wr"' not in start_line(who, 1, None, None, 10.0)
+    log = start_line(who, 1, None, None, 10.0, "safetensors") + start_line(who, 2, None, None,
+                                                                          10.0)
+    for n, hostile in enumerate([5, "x" * 5000, "\x1b[2J", ["dcp"], {"a": 1}, True, "fsspec",
+                                 "DCP"], start=3):
+        line = start_line(who, n, None, None, 10.0)
+        log += line.replace(b'"w":', b'"wr":' + json.dumps(hostile).encode() + b',"w":')
+    log += end_line(who, 1, 11.0, 10, "ok", None) + end_line(who, 2, 11.0, 10, "ok", None)
+    kinds = [w.writer_kind for w in parse_log(log)]
+    assert kinds == ["safetensors", None] + ["other"] * 5 + ["fsspec", "other"]
+    mine, other = parse_log(_log(("s", "b", 2, 1, 10.0), ("e", "b", 2, 1, 11.0)))[0], \
+        parse_log(log)[0]
+    event = remote_event(dict(ident("b", 1, 0), pid=2), 1, "/mnt/shared/x", 1.0, 2.0, mine,
+                         other, 12.0)
+    assert event["writer_kind"] == "safetensors" and event["writer"]["node"] == "a"
+    assert events.validate(dict(event)) is not None       # the agent accepts it
+    plain = remote_event(dict(ident("b", 1, 0), pid=2), 1, "/mnt/shared/x", 1.0, 2.0, mine,
+                         parse_log(log)[1], 12.0)
+    assert "writer_kind" not in plain
+
+
 # ---- with a real store --------------------------------------------------------------------
 
 @pytest.mark.torch
@@ -131,7 +160,7 @@ def test_two_nodes_learn_each_others_overlapping_write_and_name_the_hazards(job_
     c = Rank(job_store.port, "node-a", 1, 1)             # a local peer of a: not reported remote
     wait_for(lambda: a.active() and b.active() and c.active(), message="connected")
     path = os.path.join(SHARED, "last.pt")
-    pa, pb, pc = a.begin(path), b.begin(path), c.begin(path)
+    pa, pb, pc = a.begin(path), b.begin(path, writer="dcp"), c.begin(path)
     # The three starts are in the log before any end is sent: they overlap in the store's
     # order. (Sent within microseconds on three connections, a start and an end could reach
     # the server in either order: the ordering tolerance.)
@@ -146,6 +175,8 @@ def test_two_nodes_learn_each_others_overlapping_write_and_name_the_hazards(job_
              message="a watch read after the ends")
     assert a.remote_writers() == [("node-b", 2, True)]
     remote_a = a.of_type("remote")[0]
+    assert remote_a["writer_kind"] == "dcp"        # b's library, across the store
+    assert all("writer_kind" not in r for r in b.of_type("remote"))     # torch.save
     assert remote_a["seq"] == pa[1] and remote_a["path"] == path
     assert remote_a["start_mono"] <= remote_a["end_mono"]
     assert sorted(b.remote_writers()) == [("node-a", 0, True), ("node-a", 1, True)]

@@ -136,3 +136,23 @@ def test_log_exporter_logs_collisions_and_findings_not_writes(caplog):
     assert [r.getMessage() for r in caplog.records] == \
         ["concurrent write collision", "torn read"]
     assert caplog.records[0].fields["path"] == "/ckpt/last.pt"
+
+
+def test_an_ok_file_that_needs_a_full_unpickle_gets_a_line_of_fields(caplog):
+    # An ok torch file whose pickle names callables torch.load(weights_only=True) refuses:
+    # one line, a fixed msg and the rest in fields like every other finding (this branch used
+    # an undefined `path` and returned a bare string: NameError in the fan-out).
+    unsafe = Finding("verification", "/c/a.pt", "j", details={
+        "result": "ok", "pickle": "full_unpickle",
+        "refused_globals": ["os.system", "evil\x1b[2J"] + [f"m.f{i}" for i in range(40)]})
+    msg, fields = finding_fields(unsafe)
+    assert msg == "checkpoint needs a full unpickle"
+    assert fields["path"] == "/c/a.pt" and fields["training_job"] == "j"
+    assert fields["refused_globals"][:2] == ["os.system", "evil\\x1b[2J"]
+    assert len(fields["refused_globals"]) == MAX_WRITERS_LISTED
+    assert "weights_only=False" in fields["what"]
+    exporter = LogExporter()
+    with caplog.at_level(logging.WARNING, logger="ckptwatch.agent"):
+        exporter.publish_finding(unsafe)
+    assert [r.getMessage() for r in caplog.records] == ["checkpoint needs a full unpickle"]
+    assert caplog.records[0].fields["path"] == "/c/a.pt"

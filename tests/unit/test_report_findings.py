@@ -314,3 +314,27 @@ def test_kept_records_are_bounded_by_weight_too(tmp_path, monkeypatch):
     assert [h["path"] for h in summary.hazards][-1] == "/p29"      # the newest kept
     assert 1 <= len(summary.verdicts_by_path) <= 6
     assert summary.malformed == 1
+
+
+@pytest.mark.parametrize("ranks", [4, "0,1,2,3", {"0": 1}, None, 2.5, True])
+def test_a_hazard_whose_ranks_is_not_a_list_is_shown_without_them(tmp_path, ranks):
+    """tests/support/incident.py's hazard with `ranks` of the wrong type (an int where the
+    agent writes a list): the field is unreadable and left out; the hazard is still shown,
+    in every format, and no traceback."""
+    sys.path.insert(0, os.path.join(REPO, "tests", "support"))
+    from incident import incident_items, write_incident_journal
+    items = incident_items()
+    (hazard,) = [i for i in items if isinstance(i, dict) and i.get("type") == "hazard"]
+    hazard["ranks"] = ranks
+    journal = str(tmp_path / "j.jsonl")
+    write_incident_journal(journal, items)
+    outputs = {}
+    for fmt in ("table", "json", "html"):
+        code, outputs[fmt], err = report("--journal", journal, "--format", fmt)
+        assert code == 1 and err == "", err
+    table = outputs["table"]
+    assert "hazard shared_storage_multi_writer" in table
+    assert "ranks writing it" not in table
+    (shown,) = json.loads(outputs["json"])["hazards"]
+    assert shown["path"] == hazard["path"] and "ranks" not in shown
+    assert summarize(journal).malformed == 0      # one unreadable field, not a bad record

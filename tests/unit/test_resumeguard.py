@@ -418,3 +418,92 @@ def test_warn_does_not_wait_for_a_slow_agent_after_a_quick_load(guard, ckpt, fak
         torch.load(ckpt)
         took = time.monotonic() - started
     assert lines(caplog) == [] and took < 0.9, took
+
+
+# ---- libraries imported after install (ckptwatch run: the bootstrap installs at torch's import)
+
+_LATE_LOADS = """
+    import json, sys
+    {imports}
+    import torch.distributed.checkpoint as dcp
+    import safetensors
+    from safetensors.torch import load_file
+    results = {{}}
+    def attempt(name, load):
+        try:
+            load()
+            results[name] = "loaded"
+        except Exception as exc:
+            results[name] = f"{{type(exc).__module__}}.{{type(exc).__name__}}"
+    attempt("load_file", lambda: load_file({st_a!r}))
+    attempt("safe_open", lambda: safetensors.safe_open({st_b!r}, framework="pt").keys())
+    attempt("dcp", lambda: dcp.load({{"w": torch.zeros(6)}}, checkpoint_id={dcp_dir!r},
+                                    no_dist=True))
+    print(json.dumps(results))
+    """
+_ORDERS = {
+    "torch first": "import torch",
+    # safetensors.torch imports torch itself: the hook installs in the middle of its import
+    "safetensors first": "from safetensors.torch import load_file; import torch",
+}
+
+
+@pytest.mark.parametrize("order", sorted(_ORDERS))
+@pytest.mark.parametrize("strict", [False, True], ids=["default", "strict"])
+def test_loads_of_libraries_imported_after_install_are_guarded(tmp_path, order, strict):
+    """Under the bootstrap (`ckptwatch run`) the guard installs when torch is imported;
+    safetensors and DCP imported later are guarded too (the post-import watch)."""
+    import subprocess
+    import sys
+    import textwrap
+
+    st_torch = pytest.importorskip("safetensors.torch")
+    import torch.distributed.checkpoint as dcp
+    from helpers import REPO_ROOT, subprocess_env
+    from ckptwatch.bootstrap import BOOTSTRAP_DIR
+
+    st_a, st_b = (str(tmp_path / f"{n}.safetensors") for n in ("a", "b"))
+    for path in (st_a, st_b):
+        st_torch.save_file({"w": torch.arange(4.0)}, path)
+        tag(path, verdicts.CORRUPT, cause="torn", reason="header overlaps data")
+    dcp_dir = str(tmp_path / "step-3")
+    dcp.save({"w": torch.arange(6.0)}, checkpoint_id=dcp_dir, no_dist=True)
+    shard = sorted(f for f in os.listdir(dcp_dir) if f.endswith(".distcp"))[0]
+    tag(os.path.join(dcp_dir, shard), verdicts.CORRUPT, cause="truncated")
+    env = subprocess_env(XDG_RUNTIME_DIR="/nonexistent-ckptwatch-test",
+                         CKPTWATCH_SOCKET=str(tmp_path / "no-agent.sock"),
+                         **({"CKPTWATCH_POLICY": "strict"} if strict else {}))
+    env["PYTHONPATH"] = os.pathsep.join([BOOTSTRAP_DIR, REPO_ROOT])
+    code = textwrap.dedent(_LATE_LOADS.format(imports=_ORDERS[order], st_a=st_a, st_b=st_b,
+                                              dcp_dir=dcp_dir))
+    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=str(tmp_path),
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-4000:]
+    results = json.loads(out.stdout.strip().splitlines()[-1])
+    said = [line for line in out.stderr.splitlines() if line.startswith("ckptwatch: ")]
+    if strict:
+        assert results == dict.fromkeys(("load_file", "safe_open", "dcp"),
+                                        "ckptwatch.resumeguard.CheckpointRefused")
+        assert said == []
+    else:
+        assert results == dict.fromkeys(("load_file", "safe_open", "dcp"), "loaded")
+        assert len(said) == 3, out.stderr[-4000:]
+        assert f"{st_a} is corrupt (torn" in said[0] and f"{st_b} is corrupt (torn" in said[1]
+        assert f"{dcp_dir} is corrupt (truncated" in said[2]
+
+
+def test_checkpoint_refused_is_importable_from_the_package():
+    """docs/policies.md: `except ckptwatch.CheckpointRefused`; `import ckptwatch` alone does
+    not load the guard (a process under the bootstrap pays for what it uses)."""
+    import subprocess
+    import sys
+
+    import ckptwatch
+    from helpers import subprocess_env
+    assert ckptwatch.CheckpointRefused is resumeguard.CheckpointRefused
+    assert "CheckpointRefused" in ckptwatch.__all__
+    probe = subprocess.run(
+        [sys.executable, "-c", "import sys, ckptwatch; "
+                               "print('ckptwatch.resumeguard' in sys.modules)"],
+        env=subprocess_env(), capture_output=True, text=True, timeout=60)
+    assert probe.stdout.strip() == "False", probe.stderr

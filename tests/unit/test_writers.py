@@ -194,8 +194,7 @@ def test_a_process_that_imports_none_of_the_writers_loads_none_of_our_machinery(
         print(json.dumps(sorted(m for m in sys.modules if m.startswith("ckptwatch"))))
         """, sock)
     assert "ckptwatch.hook" not in result and "ckptwatch.emitter" not in result, result
-    assert not [m for m in result if m.startswith("ckptwatch.writers.") and
-                m != "ckptwatch.writers.imports"], result
+    assert not [m for m in result if m.startswith("ckptwatch.writers.")], result
 
 
 # ---- torch.distributed.checkpoint -----------------------------------------------------------
@@ -367,3 +366,86 @@ def test_fsspec_transaction_start_is_before_the_rename_onto_the_target(workdir, 
         print(json.dumps(seen))
         """, os.path.join(sockdir, "own.sock"))
     assert result == {"before_commit": ["hello", "start"], "at_move": [], "after": ["end"]}
+
+
+# ---- warn: the warning points at the user's call site ----------------------------------------
+
+class NoticingAgent:
+    """One connection: reads the hook's frames and, for the first start by writer `kind`,
+    sends back the notice an agent sends for a collision involving that write."""
+
+    def __init__(self, path: str, kind: str):
+        import socket
+        import threading
+        self.kind, self.start_event = kind, None
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.listener.bind(path)
+        self.listener.listen(4)
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self):
+        from ckptwatch import events
+        conn, _ = self.listener.accept()
+        reader = events.FrameReader()
+        with conn:
+            while self.start_event is None:
+                data = conn.recv(65536)
+                if not data:
+                    return
+                for payload in reader.feed(data):
+                    event = json.loads(payload)
+                    if event.get("type") == "start" and event.get("writer") == self.kind:
+                        self.start_event = event
+            notice = {"v": 1, "type": "notice", "kind": "concurrent",
+                      "path": self.start_event["path"], "site": self.start_event["site"],
+                      "id": "abc", "others": [{"rank": 1, "pid": 11, "node": "n1",
+                                               "site": self.start_event["site"]}]}
+            body = json.dumps(notice).encode()
+            conn.sendall(events.HEADER.pack(len(body)) + body)
+            while conn.recv(65536):
+                pass
+
+    def close(self):
+        self.listener.close()
+
+
+_WARN_CHILD = """
+    import json, time, warnings, ckptwatch
+    ckptwatch.install()
+    import torch
+    {imports}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        {save}                                  # THE-SAVE
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not [
+                w for w in caught if w.category is ckptwatch.CheckpointCollisionWarning]:
+            time.sleep(0.01)
+    (warning,) = [w for w in caught if w.category is ckptwatch.CheckpointCollisionWarning]
+    print(json.dumps({{"file": warning.filename, "line": warning.lineno,
+                       "text": str(warning.message)}}))
+    """
+
+
+@pytest.mark.parametrize("kind", ["safetensors", "dcp"])
+def test_warn_attributes_a_writers_warning_to_the_users_call_site(kind, workdir, sockdir):
+    pytest.importorskip("safetensors")
+    imports, save = {
+        "safetensors": ("from safetensors.torch import save_file",
+                        'save_file({"w": torch.zeros(4)}, "a.safetensors")'),
+        "dcp": ("import torch.distributed.checkpoint as dcp",
+                'dcp.save({"w": torch.zeros(4)}, checkpoint_id="step-1", no_dist=True)'),
+    }[kind]
+    sock = os.path.join(sockdir, "agent.sock")
+    agent = NoticingAgent(sock, kind)
+    try:
+        result = run_script(workdir, _WARN_CHILD.format(imports=imports, save=save), sock,
+                            CKPTWATCH_POLICY="warn")
+    finally:
+        agent.close()
+    file, _, line = site_of(workdir, "THE-SAVE").rpartition(":")
+    assert agent.start_event["site"] == f"{file}:{line}"
+    # the user's file and line, so `python -W error::...` and IDEs point at the save
+    assert (result["file"], result["line"]) == (file, int(line)), result
+    assert f"{file}:{line}" in result["text"]

@@ -9,8 +9,10 @@ Why at import and not later: transformers and accelerate bind `from safetensors.
 save_file` while they import. Patched when safetensors.torch finishes importing -- before the
 `from` statement that imports it completes -- their name is our wrapper.
 
-Once every watched module has been imported the finder removes itself. A callback's failure
-is swallowed: an import must never fail because of us.
+Several parts of ckptwatch watch the same module (the writers patch safetensors.torch's saves,
+the resume guard its loads): each name has a list of callbacks, run in the order they were
+added. Once every watched module has been imported the finder removes itself. A callback's
+failure is swallowed (the next one still runs): an import must never fail because of us.
 """
 from __future__ import annotations
 
@@ -21,10 +23,11 @@ _lock = threading.Lock()
 
 
 class LibraryImportWatcher:
-    """sys.meta_path finder that calls callbacks[name]() right after module `name` imports."""
+    """sys.meta_path finder that calls each of callbacks[name] right after module `name`
+    imports."""
 
     def __init__(self):
-        self.callbacks: dict = {}
+        self.callbacks: dict = {}        # module name -> [callback, ...]
         self._searching: set = set()
 
     def find_spec(self, fullname, path=None, target=None):
@@ -78,10 +81,10 @@ class LibraryImportWatcher:
 
     def _imported(self, fullname) -> None:
         with _lock:
-            callback = self.callbacks.pop(fullname, None)
+            callbacks = self.callbacks.pop(fullname, ())
             if not self.callbacks:
                 self.remove()
-        if callback is not None:
+        for callback in callbacks:
             try:
                 callback()
             except Exception:
@@ -103,26 +106,45 @@ def _current():
 
 
 def watch(callbacks: dict) -> LibraryImportWatcher:
-    """Call callbacks[name]() once module `name` is imported (idempotent per name: a name
-    already watched keeps its first callback). Returns the one active watcher. A name already
-    in sys.modules is the caller's to patch now; it is not watched."""
+    """Call callbacks[name]() once module `name` is imported, after the callbacks other
+    callers added for that name (idempotent per callback: one added twice runs once; pass the
+    same callable object each time). Returns the one active watcher.
+
+    A name already in sys.modules is the caller's to patch now and is not watched -- unless it
+    is watched already: then its import is under way (its loader is ours; e.g. torch, and so
+    the hook's install, imported in the middle of `import safetensors.torch`), the module is
+    not complete yet, and the callback runs when it is."""
     with _lock:
         watcher = _current()
         if watcher is None:
             watcher = LibraryImportWatcher()
             sys.meta_path.insert(0, watcher)
         for name, callback in callbacks.items():
-            if name not in sys.modules:
-                watcher.callbacks.setdefault(name, callback)
+            listed = watcher.callbacks.get(name)
+            if listed is None and name not in sys.modules:
+                listed = watcher.callbacks[name] = []
+            if listed is not None and callback not in listed:
+                listed.append(callback)
         if not watcher.callbacks:
             watcher.remove()
         return watcher
 
 
-def unwatch() -> None:
-    """Stop watching every name (uninstall)."""
+def unwatch(callbacks=None) -> None:
+    """Stop watching: for these callbacks only (the names they were added for keep the
+    others'), or every name (None)."""
     with _lock:
         watcher = _current()
-        if watcher is not None:
+        if watcher is None:
+            return
+        if callbacks is None:
             watcher.callbacks.clear()
+        else:
+            for name in list(watcher.callbacks):
+                kept = [c for c in watcher.callbacks[name] if c not in callbacks]
+                if kept:
+                    watcher.callbacks[name] = kept
+                else:
+                    del watcher.callbacks[name]
+        if not watcher.callbacks:
             watcher.remove()
