@@ -101,6 +101,18 @@ rejects only these (as "incomplete") and counts them.
   state        str   "active" (connected to the job's store) | "disabled"
   reason       str|null   why disabled
   rank, job, master, restart   as in "start"; wall float
+  store_host   str|null   (optional, added within version 1; with "active") the job's store
+                     this process reads: an IP literal or a host name (letters, digits, "-",
+                     "_", dots; at most MAX_STORE_HOST characters). The agent reads that store
+                     itself for this process's recent writes once the process is gone without
+                     having read them (monitor/agent/storereader.py); an agent that predates
+                     the field ignores it
+  store_port   int|null   with store_host: its TCP port, 1-65535
+  settled      bool|null  (optional, added within version 1) true: this process has counted
+                     itself out and read and reported everything its writes need (sent at the
+                     end of its exit), so the agent need not read the store for it
+  An event whose store_host or store_port is not of that form, or names one without the
+  other, is rejected whole ("incomplete").
 
 Optional fields may be absent; unknown extra fields are ignored (forward compatible within a
 version). A writer is identified by (node, pid).
@@ -151,7 +163,9 @@ is answered "unknown" (docs/security.md).
 """
 from __future__ import annotations
 
+import ipaddress
 import json
+import re
 import struct
 from math import isfinite
 
@@ -191,6 +205,9 @@ HAZARD_KINDS = ("local_rank_guard", "shared_storage_multi_writer")
 JOBSCOPE_STATES = ("active", "disabled")
 MAX_LIST = 64                           # ranks / nodes listed in a hazard
 MAX_TEXT = 4096                         # any string field of a job-scope event
+MAX_STORE_HOST = 253                    # a DNS name's longest text form
+_HOST_NAME = re.compile(r"[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,62})"
+                        r"(?:\.[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,62}))*\.?\Z")
 
 
 class EventError(ValueError):
@@ -397,7 +414,24 @@ _HAZARD = (("kind", _STR), ("seq", _INT), ("path", _STR), ("shared", _STR), ("wa
 _HAZARD_OPTIONAL = _WRITE_OPTIONAL
 _JOBSCOPE = (("state", _STR), ("wall", _NUM))
 _JOBSCOPE_OPTIONAL = (("reason", _OPT_STR), ("rank", _OPT_INT), ("job", _OPT_STR),
-                      ("master", _OPT_STR), ("restart", _OPT_INT))
+                      ("master", _OPT_STR), ("restart", _OPT_INT), ("store_host", _OPT_STR),
+                      ("store_port", _OPT_INT), ("settled", _BOOL_OPT))
+
+
+def store_address_valid(host, port) -> bool:
+    """Is (host, port) a store address the agent may connect to: host an IP literal or a
+    host name (labels of letters, digits, "-" and "_" of at most 63 characters, at most
+    MAX_STORE_HOST in all), port an int in 1-65535? Nothing else is ever connected to."""
+    if type(host) is not str or type(port) is not int or not 1 <= port <= 65535:
+        return False
+    if not host or len(host) > MAX_STORE_HOST or not host.isascii():
+        return False
+    try:
+        ipaddress.ip_address(host)
+        return True
+    except ValueError:
+        pass
+    return _HOST_NAME.match(host) is not None
 
 
 def _bounded_text(event: dict, names) -> None:
@@ -414,6 +448,9 @@ def _validate_job_scope(event: dict, kind: str) -> dict:
         _check(event, _JOBSCOPE_OPTIONAL, required=False)
         if event["state"] not in JOBSCOPE_STATES:
             raise EventError(REJECT_INCOMPLETE, f"unknown job-scope state {event['state']!r}")
+        host, port = event.get("store_host"), event.get("store_port")
+        if (host is not None or port is not None) and not store_address_valid(host, port):
+            raise EventError(REJECT_INCOMPLETE, "store_host/store_port is not an address")
         _bounded_text(event, ("node", "reason", "job", "master"))
         return event
     if kind == "hazard":

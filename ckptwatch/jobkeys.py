@@ -327,6 +327,31 @@ def related(mine: LoggedWrite, other: LoggedWrite, window: float) -> bool:
     return other.sw <= mine_end + window and other_end >= mine.sw - window
 
 
+def linked(writes: list, mine: LoggedWrite, window: float) -> list:
+    """The other writes that can share a collision with `mine`: within a window of it (walls,
+    as related()) or of a write that is, and so on -- a redundant chain goes on as long as each
+    next write starts within a window of the previous one's end, so a write two windows after
+    ours still joins our chain through one in between (tests/e2e/test_groundtruth.py, y3).
+    One sort and one sweep; an in-flight write spans its start only, as in related(). `mine`
+    need not be in `writes` (a write whose lines are not in the log: judged on its walls)."""
+    if not any(w is mine for w in writes):
+        writes = list(writes) + [mine]
+    spans = sorted(((w.sw, w.ew if w.ew is not None else w.sw, i)
+                    for i, w in enumerate(writes)), key=lambda s: s[:2])
+    component: list = []
+    found = False
+    stop = -INF
+    for start, end, i in spans:
+        if component and start > stop + window:
+            if found:
+                break
+            component = []
+        component.append(writes[i])
+        found = found or writes[i] is mine
+        stop = max(stop, end) if len(component) > 1 else end
+    return [w for w in component if w is not mine]
+
+
 def place_remote(own: dict, remote: dict) -> tuple[float, float, bool | None]:
     """A remote write's interval in this process's monotonic time base, and whether it
     overlapped our write in the store's order (None: positions unknown, walls decide).

@@ -27,10 +27,15 @@ Reads (each a GET of one path's log, the only reads job scope makes):
   after FOLLOW_FIRST, doubling up to FOLLOW_MAX, until it closes (at most a window);
 - on a path that does not name our rank or node, or that another rank wrote too (a path some
   other rank may write later: a redundant write we must hear of), after POLL_FIRST, doubling,
-  until a window after our end: about log2(window / POLL_FIRST) reads, not one per poll tick;
+  until a window after the latest end of the chain of writes linked to ours (jobkeys.linked;
+  at most until clean-up): about log2(window / POLL_FIRST) reads, not one per poll tick;
+- on a path that names our rank or node, once more a window after our end (spread over
+  READ_SPREAD): nobody else is expected to write it, but a rank that does within the window is
+  a redundant write (the `model_{local_rank}.pt` bug on shared storage) our agent must hear of;
+  a watch from there if that read finds one;
 - at exit (below), and once 2 windows after our end, to delete (or compact) the log when every
   write in it is that old.
-So a rank makes, per write: 2 APPENDs + 1 GET + 2 for clean-up, plus at most
+So a rank makes, per write: 2 APPENDs + 2 GETs + 2 for clean-up, plus at most
 1 + ceil(log2(window / POLL_FIRST)) GETs when the path is one others may write, plus the
 follow reads while an overlapping write is open. docs/performance.md has the measured figures.
 
@@ -41,6 +46,10 @@ its paths' logs once more and waits for the groups of its writes to close. All o
 exit_wait (CKPTWATCH_JOBSCOPE_EXIT_WAIT, default EXIT_WAIT) in all: a rank that crashed or
 does not run job scope costs the others that wait, once; a store that stalls costs at most
 that, and never the exit status.
+
+A process that ends without atexit (os._exit, SIGKILL) reads nothing: its agent reads the store
+for its recent writes instead, at the address named in our "jobscope" event
+(monitor/agent/storereader.py); a completed exit says "settled" so the agent need not.
 
 Failure: the store is reached within CONNECT_BUDGET (retried with backoff; ranks may start
 before it), or job scope is disabled. An operation that fails or passes its deadline, a server
@@ -62,9 +71,9 @@ import time
 
 from ckptwatch import emitter as _emitter_mod
 from ckptwatch import jobhazards
-from ckptwatch.events import SCHEMA_VERSION
+from ckptwatch.events import SCHEMA_VERSION, store_address_valid
 from ckptwatch.jobkeys import (LoggedWrite, compacted, end_line, exit_key, group_of,
-                               group_open, log_key, parse_log, path_hash, related,
+                               group_open, linked, log_key, parse_log, path_hash,
                                remote_event, run_prefix, start_line, MAX_LOG_BYTES,
                                MAX_SHARED, MAX_NODE, clean_text)
 from ckptwatch.sharedfs import SharedPaths, names_rank_or_node
@@ -115,7 +124,7 @@ class _Own:
     __slots__ = ("seq", "path", "key", "ident", "site", "func", "sw", "sm", "ew", "em",
                  "shared", "done",
                  "reported", "watched", "next_read", "poll_at", "follow", "until",
-                 "clean_at", "ranks", "nodes", "shared_seen", "judged_guard")
+                 "clean_at", "ranks", "nodes", "shared_seen", "judged_guard", "looked_late")
 
     def __init__(self, pending, key: str):
         ident, self.seq, self.path, code, line, self.sw, self.sm = pending
@@ -135,6 +144,7 @@ class _Own:
         self.nodes: set = set()
         self.shared_seen = None         # why some writer of the path sees it shared
         self.judged_guard = False
+        self.looked_late = False        # the unwatched write's read a window after its end
 
 
 class JobScope:
@@ -345,13 +355,20 @@ class JobScope:
                     "on)", os.getpid(), reason)
         self._send_state()
 
-    def _send_state(self) -> None:
+    def _send_state(self, settled: bool = False) -> None:
         ident = self.ident
-        self._emit({"v": SCHEMA_VERSION, "type": "jobscope", "node": ident["node"],
-                    "pid": os.getpid(), "state": self.state, "reason": self.reason,
-                    "rank": ident.get("rank"), "job": ident.get("job"),
-                    "master": ident.get("master"), "restart": ident.get("restart"),
-                    "wall": self._wall()})
+        event = {"v": SCHEMA_VERSION, "type": "jobscope", "node": ident["node"],
+                 "pid": os.getpid(), "state": self.state, "reason": self.reason,
+                 "rank": ident.get("rank"), "job": ident.get("job"),
+                 "master": ident.get("master"), "restart": ident.get("restart"),
+                 "wall": self._wall()}
+        if self.state == STATE_ACTIVE and store_address_valid(self.host, self.port):
+            # Where the agent reads for our writes should we die without reading them
+            # (monitor/agent/storereader.py); an address it would refuse is not sent.
+            event["store_host"], event["store_port"] = self.host, self.port
+        if settled:
+            event["settled"] = True
+        self._emit(event)
 
     def _emit(self, event: dict) -> None:
         try:
@@ -438,6 +455,13 @@ class JobScope:
             while own.em + own.poll_at <= now:
                 own.poll_at *= 2
             return min(own.em + own.poll_at, own.until)
+        if not own.watched and not own.looked_late and own.em is not None:
+            # A path that names our rank or node: no one else is expected to write it, but
+            # if someone does within a window after us, that is a redundant write our agent
+            # must hear of (the agent keeps such a chain open a job settle past the window).
+            # One more read then, spread like the end's, instead of a watch.
+            own.looked_late = True
+            return max(now, own.em + self.window) + random.uniform(0.0, READ_SPREAD)
         return own.clean_at
 
     def _logged_self(self, own: _Own) -> LoggedWrite:
@@ -472,7 +496,7 @@ class JobScope:
         else:
             others = [w for w in writes if w is not mine]
             group_is_open = group_open(group_of(writes, mine))
-        self._learn(own, mine, [w for w in others if related(mine, w, self.window)])
+        self._learn(own, mine, linked(others, mine, self.window))
         return group_is_open
 
     def _learn(self, own: _Own, mine: LoggedWrite, others: list) -> None:
@@ -487,6 +511,11 @@ class JobScope:
             own.nodes.add(w.node)
             if own.shared_seen is None and w.shared:
                 own.shared_seen = clean_text(f"{w.node}: {w.shared}", MAX_SHARED)
+            # A chain goes on while its writes keep coming within a window of each other:
+            # watch until a window after the latest end heard of, or after now while one is
+            # in flight (at most until clean-up, CLEAN_AFTER windows after our end).
+            own.until = max(own.until, self.window + (
+                own.sm + (w.ew - own.sw) if w.te is not None else self._clock()))
             if w.te is None or w.node == node or w.key in own.reported:
                 continue                 # in flight, or local (its own hook tells the agent)
             own.reported.add(w.key)
@@ -573,6 +602,7 @@ class JobScope:
         recent = [own for own in self._own.values()
                   if own.done and self._clock() <= own.until]
         if not recent:
+            self._send_state(settled=True)      # nothing of ours a later write could join
             return
         # Read (and report) at once, then again while a group of ours is open or a rank has
         # not counted itself out: what is known reaches the agent while it still holds our
@@ -582,7 +612,12 @@ class JobScope:
             still_open = False
             for own in recent:
                 still_open = self._read(own) or still_open
-            if self._clock() >= deadline or (not still_open and self._everyone_out(deadline)):
+            if self._clock() >= deadline:
+                break
+            if not still_open and self._everyone_out(deadline):
+                # Every rank is out and our groups are closed: nothing more can join them.
+                # The agent is told, so it does not read the store for us once we are gone.
+                self._send_state(settled=True)
                 break
             time.sleep(min(delay, max(0.0, deadline - self._clock())))
             delay = min(delay * 2, FOLLOW_MAX)

@@ -61,6 +61,7 @@ class Config:
     collision_stale_after: float = 3600.0
     collision_max_paths: int = 10000
     collision_max_hold: float = 3.0
+    job_scope_store_reads: bool = True        # read a job's store for gone processes' writes
     log_level: str = "info"
     log_format: str = "logfmt"
     size_tolerance: float = 0.01              # relative size difference that counts
@@ -288,6 +289,12 @@ OPTIONS = (
            "seconds, after settle, a write still in flight may hold back the report of a "
            "concurrent collision it is part of; then the collision is reported naming it as "
            "in flight (a live but silent writer cannot hide a collision)"),
+    Option("job-scope.store-reads", "job_scope_store_reads", _bool,
+           "read a distributed job's store (the TCPStore a local process's job scope named) "
+           "for that process's recent writes once it is gone without having read them "
+           "(os._exit, SIGKILL right after a save), so this node hears of the other nodes' "
+           "writes of the same paths; connects only where a local process said its store is "
+           "(true/false)", lambda: "true"),
     Option("log.level", "log_level", _choice(LOG_LEVELS, LOG_LEVEL_ALIASES),
            f"log level: {', '.join(LOG_LEVELS)} (any case; warning = warn)"),
     Option("log.format", "log_format", _choice(LOG_FORMATS),

@@ -35,6 +35,7 @@ from monitor.agent import gcpolicy, logformat
 from monitor.agent.config import Config
 from monitor.agent.jobreports import JobScopeEvents
 from monitor.agent.resume import resume
+from monitor.agent.storereader import Handover, StoreReader
 from monitor.agent.verdictbook import VerdictBook
 from monitor.detect.detector import Detector
 from monitor.detect.merge import SourceMerger
@@ -94,7 +95,8 @@ class Agent:
                  fs: FsSource | None = None, heartbeat: list[float] | None = None,
                  fs_inbox: queue.SimpleQueue | None = None,
                  job_scope: JobScopeEvents | None = None,
-                 started: threading.Event | None = None):
+                 started: threading.Event | None = None,
+                 store_reader: StoreReader | None = None):
         self.config, self.state, self.inbox, self.ingest = config, state, inbox, ingest
         self.detector, self.checks, self.sizes = detector, checks, sizes
         self.exporters, self.server, self.merger, self.fs = exporters, server, merger, fs
@@ -106,6 +108,9 @@ class Agent:
         # and the verifier.
         self.book = VerdictBook(config.collision_max_paths, store=False)
         self.job_scope = job_scope if job_scope is not None else JobScopeEvents()
+        # Reads of a job's store for the writes of local processes gone without reading it.
+        self.store_reader = store_reader
+        self.handover = Handover(store_reader, config.collision_window)
         # Set once start() has started every source: /-/ready waits for it.
         self.started = started if started is not None else threading.Event()
 
@@ -177,8 +182,11 @@ class Agent:
         exporters = Fanout([MetricsExporter(state),
                             journal_exporter,
                             LogExporter()])
+        store_reader = (StoreReader(config.node, config.collision_window)
+                        if config.job_scope_store_reads else None)
         agent = cls(config, state, inbox, ingest, detector, checks, sizes, exporters,
-                    server, merger, fs, heartbeat, fs_inbox, job_scope, started)
+                    server, merger, fs, heartbeat, fs_inbox, job_scope, started,
+                    store_reader)
         agent.journal = journal
         agent.book = book
         return agent
@@ -216,6 +224,8 @@ class Agent:
             "verify": f"on (crc32: {crc.BACKEND})" if config.verify_enabled else "off",
             "pid": os.getpid()}})
         self.checks.start()
+        if self.store_reader is not None:
+            self.store_reader.start()
         self.started.set()
 
     def serve(self, stop: threading.Event) -> None:
@@ -230,6 +240,7 @@ class Agent:
                 self.hook_batch(batch)
                 self.inbox.done()
             self.fs_turn()
+            self.store_turn()
             now = time.monotonic()
             self.heartbeat[0] = now
             if now >= next_tick:
@@ -248,7 +259,11 @@ class Agent:
                     if self.fs is not None:
                         self.fs.stop()
                 finally:
-                    self.checks.stop()
+                    try:
+                        self.checks.stop()
+                    finally:
+                        if self.store_reader is not None:
+                            self.store_reader.stop()
         finally:
             try:
                 # The verifier has stopped: nothing more is scheduled or size-compared.
@@ -308,10 +323,13 @@ class Agent:
         merger, fs = self.merger, self.fs
         node = self.config.node
         hangups = 0
+        handover = self.handover
         for event in batch:
             # Everything on our socket comes from a process of this node (ingest checked its
             # pid against the kernel's credentials): the node is ours, whatever the sender
-            # claims, so one process cannot pose as two writers (docs/decisions.md).
+            # claims, so one process cannot pose as two writers (docs/decisions.md). What it
+            # claimed is kept only to find its own lines in its job's store (storereader).
+            claimed = event.get("node")
             event["node"] = node
             kind = event["type"]
             if kind == HANGUP:          # ingest's word, not a hook's event: not counted
@@ -322,8 +340,11 @@ class Agent:
                 self.state.client_dropped(event["count"])
                 continue
             if kind in JOB_SCOPE_TYPES:
+                if kind == "jobscope":
+                    handover.announced(event, claimed)
                 self.job_scope_event(event)
                 continue
+            handover.wrote(event)
             # A short save's end is usually its only event (its start is not sent,
             # ckptwatch/emitter.py): it names the path and its writer's rights as a start does.
             rights = event.get(RIGHTS)
@@ -350,6 +371,23 @@ class Agent:
             self.detector.hung_up(event["node"], event["pid"], event["mono"], event["wall"])
         except Exception:
             log.exception("detector failed on a hang-up of pid %s", event.get("pid"))
+        try:
+            self.handover.hung_up(event["pid"], event["mono"], event["wall"])
+        except Exception:
+            log.exception("store hand-over failed on a hang-up of pid %s", event.get("pid"))
+
+    def store_turn(self) -> None:
+        """Take the remote writes the store reader learnt for gone processes: to the
+        detector exactly as the processes' own reports would have gone."""
+        reader = self.store_reader
+        if reader is None:
+            return
+        while True:
+            try:
+                event = reader.results.get_nowait()
+            except queue.Empty:
+                return
+            self.job_scope_event(event)
 
     def job_scope_event(self, event: dict) -> None:
         """remote / hazard / jobscope events (monitor.agent.jobreports)."""
@@ -368,7 +406,9 @@ class Agent:
             finding = self.job_scope.hazard(event)
             if finding is not None:
                 self.publish([finding])        # exported, and noticed to its writer (warn)
-        else:
+        elif event.get("settled") is not True:
+            # (A "settled" event says the process read all it needed at exit, for the store
+            # reader: not a change of state, neither counted nor logged as one.)
             self.state.job_scope(event.get("job") or "", event["state"])
             self.job_scope.state_reported(event)
 

@@ -202,6 +202,13 @@ def job_collision_id(run_key, path: str, writes) -> str:
     return "j" + hashlib.sha1(text.encode("utf-8", "surrogatepass")).hexdigest()[:15]
 
 
+def _spans_nodes(w) -> bool:
+    """Does writer `w` belong to a distributed job with ranks on other nodes? (A job whose
+    ranks all run on this node, local world = world, has no other node to hear from.)"""
+    return (w.master is not None and (w.world_size or 0) > 1
+            and (w.local_world_size is None or w.local_world_size < w.world_size))
+
+
 class Grouping:
     """Regroups one path at a time and reports what became final (see the module doc).
 
@@ -368,7 +375,8 @@ class Grouping:
         if last.end_mono is None:
             return INF
         settled_at = max(e.done_at for e in chain) + settle
-        closed_at = settled_at if closed else last.done_at + self._window + settle
+        closed_at = settled_at if closed else \
+            last.done_at + self._window + self._chain_settle(last.writer)
         ready_at = max(settled_at, closed_at)
         if now >= ready_at:
             for entry in chain:
@@ -403,7 +411,8 @@ class Grouping:
             return INF
         settled_at = max(g.done_at for g in chain.groups) + self._settle
         # Open until `window` after the last end, plus `settle` for a next start in transit.
-        closed_at = settled_at if chain.closed else last.done_at + self._window + self._settle
+        closed_at = settled_at if chain.closed else \
+            last.done_at + self._window + self._chain_settle(last.entries[0].writer)
         ready_at = max(settled_at, closed_at)
         if force or now >= ready_at:
             if len(chain.writers) >= 2:
@@ -418,13 +427,16 @@ class Grouping:
         """settle, or job_settle when a writer belongs to a job that spans several nodes (its
         other nodes' writes may still be on their way through job scope)."""
         for entry in group.entries:
-            w = entry.writer
-            # A job whose ranks all run on this node (local world = world) has no other node
-            # to hear from: it keeps the short settle.
-            if (w.master is not None and (w.world_size or 0) > 1
-                    and (w.local_world_size is None or w.local_world_size < w.world_size)):
+            if _spans_nodes(entry.writer):
                 return self._job_settle
         return self._settle
+
+    def _chain_settle(self, writer) -> float:
+        """How long after the window a redundant chain whose last writer is `writer` stays
+        open: job_settle for a job spanning nodes, whose other nodes' later writes are heard
+        of through job scope's reads -- the last one a window after a write's end for a path
+        that names its writer's rank (ckptwatch/jobscope.py) -- else settle."""
+        return self._job_settle if _spans_nodes(writer) else self._settle
 
     def _drop(self, entries) -> None:
         for entry in entries:

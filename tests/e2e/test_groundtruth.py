@@ -10,9 +10,8 @@ saving, mostly as children forked for the save as multiprocessing does, and thre
 while they write; a path written again by a later round), a rank's own process SIGKILLed
 while it writes around another's save (a defect this checker found), and the cross-node rounds
 that pass today: 21 saves, 71 s on the 2-CPU build machine at load 20 (most of it the torch
-imports of 4 + 1 writer processes). Cross-node scenarios the checker finds wrong today are the
-strict xfails below, each naming its mismatch; bench/groundtruth.py runs many seeds, quiet and
-under load.
+imports of 4 + 1 writer processes). Cross-node saves right before their process dies (os._exit,
+SIGKILL) are the second test; bench/groundtruth.py runs many seeds, quiet and under load.
 """
 from __future__ import annotations
 
@@ -54,23 +53,20 @@ CROSS_NODE_PASSING = (
 # bench/groundtruth.py draws such rounds (shared storage, EXIT) among its seeds.
 CROSS_NODE_FLAKY = Round(TOGETHER, "shared/x2.pt", (Save(A1, exit=EXIT), Save(B0, exit=EXIT)))
 
-# Cross-node rounds the checker finds wrong today (issue 16 item 3, job scope's): a save whose
-# process ends without atexit right after it -- os._exit, SIGKILL -- is never exchanged
-# through the store, so neither agent reports the collision it is in, even the agent whose
-# writer lives on; and a redundant chain linked through such a save is reported by one agent
-# in part (node scope) and by the other not at all. Measured at b306cdb..this branch.
-CROSS_NODE_FAILING = (
+# Cross-node rounds whose saves end their process right after them without atexit (os._exit,
+# SIGKILL): the process announced its write in the store but reads nothing, so its node's agent
+# reads the store itself for it (monitor/agent/storereader.py). Each failed on main at d0526c2
+# (job scope v2): y0 (A0 lives, B0 SIGKILLed after its save) and y1 (both os._exit): the agent
+# of the node whose writer died missed the concurrent collision; y3 (B1, then A0 1.2 s later
+# SIGKILLed after its save, then A1 1.2 s later): node-b missed the redundant chain {B1, A0,
+# A1} -- B1's path names its rank (y3.pt, rank 3), so its job scope read the log once at its
+# end and never heard of the later writes; it now reads once more a window after its end.
+CROSS_NODE_DYING = (
     Round(TOGETHER, "shared/y0.pt", (Save(A0), Save(B0, exit=SIGKILL))),
     Round(TOGETHER, "shared/y1.pt", (Save(A1, exit=OS_EXIT), Save(B1, exit=OS_EXIT))),
     Round(SEQUENTIAL, "shared/y3.pt", (Save(B1), Save(A0, delay=1.2, exit=SIGKILL),
                                        Save(A1, delay=1.2))),
 )
-CROSS_NODE_MISMATCH = (
-    "job scope loses saves whose process ends right after them without atexit (os._exit, "
-    "SIGKILL): y0 (A0 lives, B0 SIGKILLed after its save) and y1 (both os._exit): neither "
-    "agent reports the concurrent collision; y3 (B1, then A0 1.2 s later SIGKILLed after its "
-    "save, then A1 1.2 s later): node-a reports redundant {A0, A1} in node scope without B1, "
-    "node-b reports nothing, where the truth is one redundant chain {B1, A0, A1} on both")
 
 
 @pytest.fixture
@@ -97,9 +93,12 @@ def test_fixed_seed_batch_every_agent_tells_the_truth(workdir):
     assert_truthful(run_trial(schedule, workdir))
 
 
-@pytest.mark.xfail(strict=True, reason=CROSS_NODE_MISMATCH)
 def test_cross_node_saves_right_before_a_process_dies_are_on_every_agent(workdir):
-    rounds = CROSS_NODE_FAILING
+    rounds = CROSS_NODE_DYING
     schedule = Schedule(0, dataclasses.replace(PROFILE, rounds=len(rounds)), rounds)
     result = run_trial(schedule, workdir)
     assert result.verdict.ok, "\n".join(result.verdict.mismatches)
+    # Judged on both kinds by both agents: every save of the three rounds is in a collision.
+    for node in PROFILE.nodes:
+        assert result.verdict.scores[(node, "concurrent")].tp == 2, result.verdict.scores
+        assert result.verdict.scores[(node, "redundant")].tp == 1, result.verdict.scores

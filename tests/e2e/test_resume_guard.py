@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -41,8 +42,10 @@ RESUME = textwrap.dedent("""
         digest.update(key.encode())
         digest.update(value.numpy().tobytes() if isinstance(value, torch.Tensor)
                       else repr(value).encode())
-    print(json.dumps({"rank": int(os.environ.get("RANK", 0)), "digest": digest.hexdigest()}),
-          flush=True)
+    # One write per line (print writes the newline separately: two ranks' lines on one pipe
+    # could run together).
+    os.write(1, (json.dumps({"rank": int(os.environ.get("RANK", 0)),
+                             "digest": digest.hexdigest()}) + "\\n").encode())
 """)
 
 
@@ -134,7 +137,8 @@ def resume(agent_socket, path, policy=None, nproc=2, **env):
 
 
 def digests(stdout):
-    return {json.loads(line)["digest"] for line in stdout.splitlines() if line.startswith("{")}
+    lines = re.findall(r'\{"rank": \d+, "digest": "[0-9a-f]+"\}', stdout)
+    return {json.loads(line)["digest"] for line in lines}
 
 
 def collision_of(agent, path):

@@ -1016,3 +1016,37 @@ def test_a_job_collision_id_is_the_same_from_the_hooks_text_and_the_stores_full_
                 Write(b, PATH, 1, first_wall + 0.5, 1.0, first_wall + 2, 2.0))
     assert job_collision_id(("j",), PATH, writes(full)) == \
         job_collision_id(("j",), PATH, writes(hooked))
+
+
+def test_a_spanning_jobs_chain_waits_a_job_settle_past_the_window_for_a_later_report():
+    """A rank's write of a path that names its rank is read once more a window after its end
+    (ckptwatch/jobscope.py): a redundant write of another node then arrives after window +
+    settle. The chain of a job spanning nodes stays open job_settle past the window, so it is
+    still joined (tests/e2e/test_groundtruth.py y3: node-b missed the chain)."""
+    clock = FakeClock(0.0)
+    det = make(clock, window=2.0, settle=0.3, job_settle=3.0)
+    out = feed(det, clock, [(0.0, dist_start(11, 1, 0.0, rank=3)),
+                            (0.1, dist_end(11, 1, 0.1, 0.0, rank=3))])
+    for t in (1.0, 2.2, 2.45):                  # past window + settle: the old close
+        clock.now = t
+        out += det.tick()
+    ev = remote(11, 1, 99, 7, 1.3, 1.4)
+    ev["overlap"] = False
+    clock.now = 2.5
+    det.observe_remote(ev)
+    for t in (3.0, 5.0, 8.0, 12.0):
+        clock.now = t
+        out += det.tick()
+    found = collisions(out)
+    assert [c.kind for c in found] == [KIND_REDUNDANT]
+    assert {(w.writer.node, w.writer.pid) for w in found[0].writes} == {("n1", 11), ("n2", 99)}
+
+
+def test_a_node_local_chain_still_closes_a_settle_past_the_window():
+    clock = FakeClock(0.0)
+    det = make(clock, window=2.0, settle=0.3, job_settle=3.0)
+    out = feed(det, clock, [(0.0, start(11, 1, 0.0)), (0.1, end(11, 1, 0.1, 0.0)),
+                            (1.0, start(12, 1, 1.0)), (1.1, end(12, 1, 1.1, 1.0))])
+    clock.now = 3.5                             # 1.1 + 2.0 + 0.3 < 3.5 < 1.1 + 2.0 + 3.0
+    out += det.tick()
+    assert [c.kind for c in collisions(out)] == [KIND_REDUNDANT]

@@ -15,8 +15,8 @@ import time
 import pytest
 
 from ckptwatch import jobscope
-from ckptwatch.jobkeys import (compacted, end_line, group_of, group_open, log_key, parse_log,
-                               path_hash, place_remote, run_prefix, start_line)
+from ckptwatch.jobkeys import (compacted, end_line, group_of, group_open, linked, log_key,
+                               parse_log, path_hash, place_remote, run_prefix, start_line)
 from helpers import free_port, wait_for
 from jobstore import SHARED, Rank, ident, master_store, torch_key
 
@@ -74,6 +74,22 @@ def test_groups_are_decided_on_the_logs_order_so_every_reader_agrees():
     # The same log read before c's end: the group is still open for every one of them.
     partial = parse_log(log[:log.index(b'"k":"e","n":"c"') - 2])
     assert all(group_open(group_of(partial, w)) for w in partial if w.node in "abc")
+
+
+def test_linked_writes_are_a_chain_within_a_window_of_each_other():
+    # a, then b 1 s after a's end, then c 0.9 s after b's: c starts two windows (of 1 s) after
+    # a's end, yet is in a's chain through b; d is beyond every window.
+    log = _log(("s", "a", 1, 1, 10.0), ("e", "a", 1, 1, 10.5), ("s", "b", 2, 1, 11.5),
+               ("e", "b", 2, 1, 11.6), ("s", "c", 3, 1, 12.5), ("e", "c", 3, 1, 12.6),
+               ("s", "d", 4, 1, 20.0), ("e", "d", 4, 1, 20.1), ("s", "e", 5, 1, 12.9))
+    writes = {w.node: w for w in parse_log(log)}
+    assert sorted(w.node for w in linked(list(writes.values()), writes["a"], 1.0)) == \
+        ["b", "c", "e"]                          # e in flight: its start counts
+    assert [w.node for w in linked(list(writes.values()), writes["d"], 1.0)] == []
+    # A write whose lines are not in the log is placed by its walls.
+    ghost = parse_log(_log(("s", "g", 9, 1, 9.0), ("e", "g", 9, 1, 9.2)))[0]
+    assert sorted(w.node for w in linked(list(writes.values()), ghost, 1.0)) == \
+        ["a", "b", "c", "e"]
 
 
 def test_garbage_in_a_log_is_skipped_keeps_positions_and_texts_come_out_escaped():
@@ -224,8 +240,28 @@ def test_a_later_writer_is_found_by_the_earlier_ones_watch(job_store):
 
 
 @pytest.mark.torch
+def test_a_later_writer_of_a_path_naming_an_earlier_ones_rank_is_found_a_window_later(
+        job_store):
+    """y3 of tests/e2e/test_groundtruth.py: rank 3 writes y3.pt (its rank in the name: no
+    watch), another node's rank writes it 0.3 s later. Rank 3 reads once more a window after
+    its end and reports it: a redundant write its agent must hear of."""
+    a = Rank(job_store.port, "node-b", 3, 1, window=1.0)
+    b = Rank(job_store.port, "node-a", 0, 0, window=1.0)
+    wait_for(lambda: a.active() and b.active(), message="connected")
+    path = os.path.join(SHARED, "y3.pt")
+    a.save(path)
+    wait_for(lambda: a.scope.counters["reads"] == 1, message="a's end read")
+    time.sleep(0.3)
+    b.save(path)
+    found = wait_for(lambda: a.of_type("remote"), timeout=10, message="a's late read")
+    assert found[0]["writer"]["rank"] == 0 and found[0]["overlap"] is False
+    assert a.scope.counters["reads"] >= 2
+
+
+@pytest.mark.torch
 def test_a_rank_private_path_costs_a_bounded_number_of_store_operations(job_store):
-    """A DCP shard named after its rank: 2 APPENDs and 1 GET, no watch reads."""
+    """A DCP shard named after its rank: 2 APPENDs and 1 GET, no watch reads (one more GET
+    only a window after its end)."""
     a = Rank(job_store.port, "node-a", 3, 1)
     wait_for(lambda: a.active(), message="connected")
     before = a.scope.stats()["store_ops"]
