@@ -3,7 +3,7 @@
     python bench/hook_overhead.py [--rounds-small 3000] [--rounds-large 40]
                                   [--process-saves 5000] [--process-saves-large 20]
                                   [--pairs 3] [--skip-save-path] [--skip-process]
-                                  [--skip-writers] [--compare LABEL=TREE ...]
+                                  [--skip-writers] [--compare LABEL=TREE ...] [--own-agents]
 
 Per writer (--skip-writers skips it): bench/writer_overhead.py, the added cost of a
 safetensors save_file and a DCP save beside torch.save's, interleaved in one process.
@@ -29,6 +29,11 @@ torch, same agent), so this tree's hook and an older one are measured side by si
 round runs one child of each kind, in an order rotated every round. Reported per kind: medians
 of wall and CPU per save, the median of per-round differences to the plain child, and that
 difference as a share of the plain child's CPU. The load average is printed before and after.
+
+--own-agents: each compared checkout's children send to an agent run from that checkout
+(agent.py with the checkout's own .venv), started for the whole-process rounds beside this
+tree's, so what a checkout's agent does to the saving process (waking it per frame, for one)
+is in its figure; without it every child sends to this tree's agent.
 """
 from __future__ import annotations
 
@@ -124,15 +129,18 @@ def run_child(tree: str | None, saves: int, nbytes: int, outdir: str, socket: st
 
 
 def measure_process(saves: int, nbytes: int, rounds: int, outdir: str, socket: str,
-                    trees: dict) -> dict:
-    """{kind: figures} for "plain" and each instrumented tree, one child of each per round."""
+                    trees: dict, sockets: dict | None = None) -> dict:
+    """{kind: figures} for "plain" and each instrumented tree, one child of each per round;
+    sockets: {kind: agent socket} where a kind has its own agent (--own-agents)."""
+    sockets = sockets or {}
     kinds = {"plain": None, **trees}
     results = {kind: [] for kind in kinds}
     names = list(kinds)
     for i in range(rounds):
         shift = i % len(names)
         for kind in names[shift:] + names[:shift]:
-            results[kind].append(run_child(kinds[kind], saves, nbytes, outdir, socket))
+            results[kind].append(run_child(kinds[kind], saves, nbytes, outdir,
+                                           sockets.get(kind, socket)))
     med = statistics.median
     plain = results["plain"]
     out = {}
@@ -174,6 +182,8 @@ def main(argv=None) -> int:
     ap.add_argument("--dir", default="/dev/shm" if os.path.isdir("/dev/shm") else None)
     ap.add_argument("--compare", action="append", default=None, metavar="LABEL=TREE",
                     help="also an instrumented child importing ckptwatch from TREE")
+    ap.add_argument("--own-agents", action="store_true",
+                    help="children of each --compare TREE send to an agent run from TREE")
     args = ap.parse_args(argv)
     compare = args.compare
     if compare is None:
@@ -187,21 +197,33 @@ def main(argv=None) -> int:
     load_before = os.getloadavg()
 
     outdir = tempfile.mkdtemp(prefix="cwbench", dir=args.dir)
+    own_agents = []
     try:
         with Agent() as agent:
+            sockets = {}
+            if args.own_agents and not args.skip_process:
+                for kind, tree in trees.items():
+                    if tree != _REPO:
+                        own_agents.append(Agent(tree=tree))
+                        sockets[kind] = own_agents[-1].socket
             process_rows = [] if args.skip_process else [
                 ("4 KiB", args.process_saves,
                  measure_process(args.process_saves, 4 * 1024, args.pairs, outdir, agent.socket,
-                                 trees)),
+                                 trees, sockets)),
                 ("64 MiB", args.process_saves_large,
                  measure_process(args.process_saves_large, 64 * 1024 * 1024, args.pairs, outdir,
-                                 agent.socket, trees)),
+                                 agent.socket, trees, sockets)),
             ]
+            for other in own_agents:
+                other.stop()
+            own_agents = []
             process_received = agent.metrics().get("ckptwatch_events_received_total", 0)
             save_path = None if args.skip_save_path else save_path_bench(args, outdir, agent)
         if save_path is not None:
             save_path = save_path + agent_down_bench(args, outdir)
     finally:
+        for other in own_agents:
+            other.stop()
         import shutil
         shutil.rmtree(outdir, ignore_errors=True)
 
@@ -248,7 +270,9 @@ def main(argv=None) -> int:
         sent = sum(r["sent"] for _, _, kinds in process_rows for r in kinds.values())
         dropped = sum(r["dropped"] for _, _, kinds in process_rows for r in kinds.values())
         print(f"children: events sent {sent}, dropped {dropped}; "
-              f"agent received {int(process_received)}")
+              f"this tree's agent received {int(process_received)}"
+              + ("; each --compare checkout's children sent to its own agent"
+                 if args.own_agents else ""))
     load_after = os.getloadavg()
     print(f"load average (1, 5, 15 min): before {load_before[0]:.1f} {load_before[1]:.1f} "
           f"{load_before[2]:.1f}, after {load_after[0]:.1f} {load_after[1]:.1f} "

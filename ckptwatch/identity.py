@@ -69,6 +69,27 @@ def from_environ(environ) -> dict:
 
 _dist_module = None
 _dist_is_initialized = None
+_c10d = None        # torch.distributed.distributed_c10d when its default group can be read
+                    # directly (see _distributed_rank), else None
+
+
+def _bind_distributed(dist) -> None:
+    """Learn, once per torch.distributed module, how to ask whether it is initialised."""
+    global _dist_module, _dist_is_initialized, _c10d
+    _dist_module = dist
+    # is_initialized only exists when torch was built with distributed support.
+    _dist_is_initialized = getattr(dist, "is_initialized", None)
+    _c10d = None
+    c10d = sys.modules.get("torch.distributed.distributed_c10d")
+    world = getattr(c10d, "_world", None)
+    # is_initialized() is `GroupMember.WORLD is not None`, three Python calls down to
+    # c10d._world._default_pg (torch 2.x). Read that attribute instead when it is there and
+    # agrees with is_initialized() now; c10d._world is looked up afresh on every save, so a
+    # replaced _world is followed too.
+    if (_dist_is_initialized is not None and world is not None
+            and "_default_pg" in getattr(world, "__dict__", ())
+            and (world._default_pg is not None) == bool(_dist_is_initialized())):
+        _c10d = c10d
 
 
 def _distributed_rank() -> tuple[int, int] | None:
@@ -76,21 +97,26 @@ def _distributed_rank() -> tuple[int, int] | None:
 
     Only looks in sys.modules: importing torch.distributed here would cost seconds in a process
     that never uses it, and the hook must never change what a process imports. Runs on every
-    save of a process without a launcher rank, so the lookup of is_initialized is cached.
+    save of a process without a launcher rank (a process can call init_process_group after it
+    saved, and destroy_process_group later), so it is asked every time, as cheaply as the
+    installed torch allows: one attribute read where _bind_distributed found it, else
+    is_initialized().
     """
-    global _dist_module, _dist_is_initialized
     dist = sys.modules.get("torch.distributed")
     if dist is None:
         return None
     try:
         if dist is not _dist_module:
-            # is_initialized only exists when torch was built with distributed support.
-            _dist_module, _dist_is_initialized = dist, getattr(dist, "is_initialized", None)
-        if _dist_is_initialized is not None and _dist_is_initialized():
-            return dist.get_rank(), dist.get_world_size()
+            _bind_distributed(dist)
+        c10d = _c10d
+        if c10d is not None:
+            if c10d._world._default_pg is None:
+                return None
+        elif _dist_is_initialized is None or not _dist_is_initialized():
+            return None
+        return dist.get_rank(), dist.get_world_size()
     except Exception:
         return None
-    return None
 
 
 def identity() -> dict:

@@ -77,31 +77,72 @@ def _line(obj: dict) -> bytes:
         "ascii") + b"\n"
 
 
+# The save path hands every start and end line to the store (ckptwatch/jobscope.py), so they
+# are formatted in one step from cached parts instead of json.dumps of a dict (~17 µs a line
+# measured, issue 22): the identity's members once per identity dict (identity() returns a new
+# dict when the identity changes; a dict is never changed in place), the site's once per call
+# site. The text parses to the same values as json.dumps of the dict in the same key order
+# (tests/unit/test_jobscope.py checks it); the wall is written "%.6f", which a JSON reader
+# reads as float(f"{wall:.6f}"), the microsecond value the hook's events carry.
+_ident_parts = (None, b"", b"", b"")    # (identity, start head, start middle, end head)
+_site_parts: dict = {}                  # (id(code), line) -> (code, site tail); holds the code
+_MAX_SITES = 1024                       # so its id is not reused while the entry exists
+_NO_SITE_TAIL = b',"site":null,"func":null}\n'
+_OK = b'"ok"'
+
+
+def _j(value) -> bytes:
+    return json.dumps(value).encode("ascii")
+
+
+def _parts_for(ident: dict):
+    global _ident_parts
+    who = b'"n":%s,"p":%s' % (_j(ident.get("node")), _j(ident.get("pid")))
+    parts = (ident, b'\n{"k":"s",%s,"q":' % who,
+             b',"r":%s,"l":%s,"ws":%s,"lws":%s,"nr":%s,"w":' % tuple(
+                 _j(ident.get(name)) for name in ("rank", "local_rank", "world_size",
+                                                  "local_world_size", "node_rank")),
+             b'\n{"k":"e",%s,"q":' % who)
+    _ident_parts = parts
+    return parts
+
+
+def _site_tail(code, line) -> bytes:
+    if code is None:
+        return _NO_SITE_TAIL
+    known = _site_parts.get((id(code), line))
+    if known is not None and known[0] is code:
+        return known[1]
+    tail = b',"site":%s,"func":%s}\n' % (_j(f"{code.co_filename}:{line}"), _j(code.co_name))
+    if len(_site_parts) >= _MAX_SITES:
+        _site_parts.clear()
+    _site_parts[(id(code), line)] = (code, tail)
+    return tail
+
+
+def _wall_text(wall: float) -> bytes:
+    if not math.isfinite(wall):
+        raise ValueError("wall is not a finite number")    # json.dumps(allow_nan=False) did
+    return b"%.6f" % wall
+
+
 def start_line(ident: dict, seq: int, code, line, wall: float, writer=None) -> bytes:
     """The start of our write `seq`: who writes, from where, when (our wall clock), and with
     which library (`writer`, an events.WRITER_KINDS name; None, and no "wr" key: torch.save)."""
-    rec = {"k": "s", "n": ident.get("node"), "p": ident.get("pid"), "q": seq,
-           "r": ident.get("rank"), "l": ident.get("local_rank"),
-           "ws": ident.get("world_size"), "lws": ident.get("local_world_size"),
-           "nr": ident.get("node_rank"), "w": _micro(wall),
-           "site": f"{code.co_filename}:{line}" if code is not None else None,
-           "func": code.co_name if code is not None else None}
+    parts = _ident_parts if _ident_parts[0] is ident else _parts_for(ident)
+    tail = _site_tail(code, line)
     if writer is not None:
-        rec["wr"] = writer
-    return _line(rec)
+        tail = b'%s,"wr":%s}\n' % (tail[:-2], _j(writer))
+    return b"%s%d%s%s%s" % (parts[1], seq, parts[2], _wall_text(wall), tail)
 
 
 def end_line(ident: dict, seq: int, wall: float, size, outcome: str, shared) -> bytes:
     """The end of our write `seq`: when, how many bytes, how it ended, and why this node sees
     the path as shared storage (None: it does not)."""
-    return _line({"k": "e", "n": ident.get("node"), "p": ident.get("pid"), "q": seq,
-                  "w": _micro(wall), "b": size, "o": outcome, "sh": shared})
-
-
-def _micro(wall: float) -> float:
-    # The hook's events carry walls to the microsecond ("%.6f"): the log carries the same
-    # numbers, so every agent holds one value for one write's start.
-    return float(f"{wall:.6f}")
+    parts = _ident_parts if _ident_parts[0] is ident else _parts_for(ident)
+    return b'%s%d,"w":%s,"b":%s,"o":%s,"sh":%s}\n' % (
+        parts[3], seq, _wall_text(wall), b"%d" % size if type(size) is int else _j(size),
+        _OK if outcome == "ok" else _j(outcome), b"null" if shared is None else _j(shared))
 
 
 def base_line(n: int) -> bytes:

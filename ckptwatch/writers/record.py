@@ -127,9 +127,11 @@ def begin(path: str, kind: str, skip: tuple = ()) -> Started | None:
         start["writer"] = kind
         if hook._start_extra:
             start["notices"] = True         # the warn policy: see hook.want_notices
+        # Known as ours before the start goes out: the agent's notice about this write can
+        # reach the sender thread (policy.handle_notice -> own_site) before record() returns.
+        _remember_site(code, line)
         emitter = hook._emitter or hook._bind_emitter()
         emitter.record(events.encode(start))           # before the first byte
-        _remember_site(code, line)
         if hook._jobscope is not None:
             hook._jobscope.started(pending, kind)
         _counters["reported"] += 1

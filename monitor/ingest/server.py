@@ -60,6 +60,18 @@ has more than max_backlog events waiting. The senders' sockets then fill, their 
 threads wait, and their bounded queues drop and count — the agent's memory stays bounded and
 no save ever waits.
 
+Reading pace (read_pause, READ_PAUSE by default): after a turn that read from a connection,
+the server waits until read_pause has passed since that turn began before it selects again.
+Every frame a hook sends wakes a reader waiting on its socket, and that wake-up is paid in the
+sender's system time, on the save path (two sends per save: start and end). A reader that is
+not waiting costs the sender nothing, so pausing between turns makes the frames that arrive
+meanwhile ride on one wake-up (issue 22, docs/decisions.md "Ingest reads at a pace"). The
+evidence is unchanged: every frame is in the kernel (the socket) when the hook's send returns,
+and a sender's death still leaves it there. What the pause costs is latency: a frame that
+arrives while the server pauses is read up to read_pause later (1 ms); the first frame after
+an idle moment is read at once, and a turn that took longer than read_pause is followed by no
+pause at all (so a busy agent reads as fast as before). The stop request ends a pause.
+
 Hang-ups (with hangups=True, as the agent runs it): when a peer ends its side of a connection
 (its process exited or was killed: the kernel closes a dying process's sockets), on_events gets
 one more batch, [{"type": HANGUP, "pid": peer pid, "mono", "wall"}], the agent's clocks when the
@@ -102,6 +114,7 @@ _READS_PER_TURN = 8                 # then serve other connections (fairness)
 _BACKLOG = 4096                     # the kernel caps it at net.core.somaxconn
 MAX_NOTICES = 256                   # notice frames waiting for the server thread
 ACK_INTERVAL = 0.05                 # at most one ack per connection this often (seconds)
+READ_PAUSE = 0.001                  # seconds from a turn that read to the next select
 _MAX_RECEIPTS = 256                 # unacknowledged reads remembered per connection
 # The frames that name a write of the sender's own: a notice may be about one of those.
 _OWN_WRITE_TYPES = frozenset({"start", "end", "hazard"})
@@ -120,8 +133,10 @@ class IngestServer:
                  max_per_pid: int = 16, max_per_uid: int = 256, frame_timeout: float = 30.0,
                  log_interval: float = 60.0, clock: Callable[[], float] = time.monotonic,
                  processed: Callable[[], int] | None = None, hangups: bool = False,
-                 on_query: Callable[[dict, object], bytes | None] | None = None):
+                 on_query: Callable[[dict, object], bytes | None] | None = None,
+                 read_pause: float = READ_PAUSE):
         self._hangups = hangups
+        self._read_pause = max(0.0, float(read_pause))
         self._conns = Connections(max_connections, max_per_pid, max_per_uid, frame_timeout,
                                   log_interval, clock)
         self.path = path
@@ -258,6 +273,7 @@ class IngestServer:
             except Exception:
                 self._unexpected("select failed")
                 continue
+            turn_began = time.monotonic()
             readable = []
             for key, _ in ready:
                 sock = key.fileobj
@@ -299,6 +315,15 @@ class IngestServer:
                     self._conns.refusals.tick(now)
                 except Exception:
                     self._unexpected("connection sweep failed")
+            if readable and self._read_pause:
+                self._pause(turn_began)
+
+    def _pause(self, turn_began: float) -> None:
+        """Wait out the rest of read_pause from `turn_began` (module doc, "Reading pace"):
+        frames sent meanwhile stay in the kernel and wake nobody."""
+        rest = turn_began + self._read_pause - time.monotonic()
+        if rest > 0:
+            self._stopping.wait(rest)
 
     def _send_acks(self) -> None:
         """Acknowledge what the consumer has finished, to every connection owed an ack and

@@ -159,14 +159,18 @@ def test_falls_back_to_initialised_torch_distributed():
     result = _run(f"""
 import json
 import torch.distributed as dist
+from ckptwatch import identity as identity_mod
 from ckptwatch.identity import identity
 before = identity()["rank"]
+# torch 2.13: the default group is read as an attribute, not through is_initialized()
+direct = identity_mod._c10d is not None
 dist.init_process_group("gloo", init_method="tcp://127.0.0.1:{port}", rank=0, world_size=1)
 after = identity()
 dist.destroy_process_group()
-print(json.dumps({{"before": before, "rank": after["rank"], "world": after["world_size"]}}))
+print(json.dumps({{"before": before, "rank": after["rank"], "world": after["world_size"],
+                  "direct": direct}}))
 """)
-    assert result == {"before": None, "rank": 0, "world": 1}
+    assert result == {"before": None, "rank": 0, "world": 1, "direct": True}
 
 
 
@@ -175,3 +179,35 @@ def test_node_rank_from_lightning_style_NODE_RANK():
     assert from_environ({"NODE_RANK": "3"})["node_rank"] == 3
     # torchrun's GROUP_RANK wins where both are set.
     assert from_environ({"NODE_RANK": "3", "GROUP_RANK": "1"})["node_rank"] == 1
+
+
+def test_default_group_read_directly_or_through_is_initialized(monkeypatch):
+    # identity() asks torch.distributed on every save of a rank-less process: where c10d's
+    # default group is a plain attribute (torch 2.x) it is read directly, else through
+    # is_initialized(); either way a group made after the first save is seen at the next.
+    import types
+    from ckptwatch import identity as identity_mod
+    for name in ("RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK"):
+        monkeypatch.delenv(name, raising=False)
+
+    class World:
+        def __init__(self):
+            self._default_pg = None
+
+    for layout in ("attribute", "is_initialized only"):
+        world = World()
+        dist = types.ModuleType("torch.distributed")
+        dist.is_initialized = lambda: world._default_pg is not None
+        dist.get_rank, dist.get_world_size = (lambda: 3), (lambda: 8)
+        c10d = types.ModuleType("torch.distributed.distributed_c10d")
+        if layout == "attribute":
+            c10d._world = world
+        monkeypatch.setitem(sys.modules, "torch.distributed", dist)
+        monkeypatch.setitem(sys.modules, "torch.distributed.distributed_c10d", c10d)
+        identity_mod.reset()
+        assert identity_mod.identity()["rank"] is None
+        assert (identity_mod._c10d is c10d) == (layout == "attribute")
+        world._default_pg = object()            # init_process_group after a first save
+        found = identity_mod.identity()
+        assert (found["rank"], found["world_size"]) == (3, 8), layout
+    identity_mod.reset()

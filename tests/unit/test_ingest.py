@@ -491,3 +491,52 @@ def test_no_hangups_unless_asked(server):
         sock.sendall(events.encode(start_event(seq=2)))
         wait_for(lambda: len(server.rec.events) == 2)
     assert [e["type"] for e in server.rec.events] == ["start", "start"]
+
+
+class _TimedSelector:
+    """Wraps the server's selector: when each select() was entered and returned, and whether
+    it returned a connection (a turn that reads)."""
+
+    def __init__(self, inner):
+        self._inner = inner
+        self.calls = []         # (entered, returned, read a connection)
+
+    def select(self, timeout=None):
+        entered = time.monotonic()
+        ready = self._inner.select(timeout)
+        self.calls.append((entered, time.monotonic(),
+                           any(key.data is not None for key, _ in ready)))
+        return ready
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+
+def test_after_a_turn_that_read_the_server_pauses_before_selecting_again(sockdir,
+                                                                          no_thread_leak):
+    # Issue 22: each frame a hook sends wakes a reader waiting on its socket, paid in the
+    # saving process's system time. After a turn that read, the server lets read_pause pass
+    # before it waits on the sockets again; frames sent meanwhile are all delivered.
+    pause = 0.05
+    batches = []
+    srv = IngestServer(os.path.join(sockdir, "pace.sock"), batches.append, lambda r: None,
+                       read_pause=pause)
+    srv.start()
+    timed = srv._selector = _TimedSelector(srv._selector)
+    try:
+        with connect(srv.path) as sock:
+            for i in range(40):
+                sock.sendall(events.encode(start_event(seq=i)))
+                if i % 8 == 0:
+                    wait_for(lambda: sum(map(len, batches)) == i + 1)
+            wait_for(lambda: sum(map(len, batches)) == 40)
+        assert [e["seq"] for b in batches for e in b] == list(range(40))
+        wait_for(lambda: len(timed.calls) >= 2)
+        calls = list(timed.calls)
+        turns = [(calls[k][1], calls[k + 1][0]) for k in range(len(calls) - 1) if calls[k][2]]
+        assert len(turns) >= 5
+        for returned, entered_next in turns:
+            assert entered_next - returned >= pause
+    finally:
+        srv.stop()
+

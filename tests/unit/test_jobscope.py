@@ -377,3 +377,50 @@ def test_an_oversized_log_is_skipped_without_holding_it_in_memory(job_store):
     a.save(os.path.join(SHARED, "fine.pt"))             # the rest of job scope goes on
     wait_for(lambda: a.scope.counters["reads"] >= 2, message="the next path is read")
     assert a.scope.state == "active"
+
+
+def _reference_line(obj: dict) -> bytes:
+    # The lines as job scope wrote them before they were formatted from cached parts.
+    import json
+    return b"\n" + json.dumps(obj, separators=(",", ":"), allow_nan=False).encode() + b"\n"
+
+
+def test_start_and_end_lines_read_as_the_dicts_they_stand_for():
+    import json
+    import random
+    rng = random.Random(22)
+
+    def site_code():
+        def user_save():
+            pass
+        return user_save.__code__
+
+    code = site_code()
+    idents = [dict(ident("node-a", 3, 1), pid=4242), {"node": 'n"\\\u00e9', "pid": 7},
+              dict(ident("b", 0, 0), pid=1, rank=None)]
+    for _ in range(300):
+        who = rng.choice(idents)
+        seq = rng.randrange(1, 1 << 40)
+        wall = rng.uniform(0, 2e9)
+        where = rng.choice([(None, None), (code, rng.randrange(1, 5000))])
+        writer = rng.choice([None, "safetensors", "dcp"])
+        got = start_line(who, seq, *where, wall, writer)
+        assert got[:1] == b"\n" and got[-1:] == b"\n" and got.count(b"\n") == 2
+        assert json.loads(got) == json.loads(_reference_line(
+            {"k": "s", "n": who.get("node"), "p": who.get("pid"), "q": seq,
+             "r": who.get("rank"), "l": who.get("local_rank"), "ws": who.get("world_size"),
+             "lws": who.get("local_world_size"), "nr": who.get("node_rank"),
+             "w": float(f"{wall:.6f}"),
+             "site": f"{where[0].co_filename}:{where[1]}" if where[0] else None,
+             "func": where[0].co_name if where[0] else None,
+             **({} if writer is None else {"wr": writer})}))
+        size = rng.choice([None, 0, 4096, 1 << 45])
+        outcome = rng.choice(["ok", "RuntimeError", 'Odd"Error'])
+        shared = rng.choice([None, "mount:nfs4", 'x"y'])
+        got = end_line(who, seq, wall, size, outcome, shared)
+        assert got[:1] == b"\n" and got[-1:] == b"\n" and got.count(b"\n") == 2
+        assert json.loads(got) == json.loads(_reference_line(
+            {"k": "e", "n": who.get("node"), "p": who.get("pid"), "q": seq,
+             "w": float(f"{wall:.6f}"), "b": size, "o": outcome, "sh": shared}))
+    with pytest.raises(ValueError):
+        start_line(idents[0], 1, None, None, float("nan"))
