@@ -58,6 +58,11 @@ log = logging.getLogger("ckptwatch.agent")
 
 MAX_PROCS = 4096            # local processes whose store address is remembered
 MAX_WRITES_PER_PROC = 64    # recent writes remembered per process (the oldest forgotten)
+# Processes whose writes came before their "jobscope" event: the hook queues that event for its
+# sender thread, so a save can reach the socket first (and the process can die right after).
+# Their writes wait here for the announcement; most such processes never announce (no job
+# scope), hence a cap of its own, so they cannot push announced processes out.
+MAX_UNANNOUNCED = 1024
 MAX_FOLLOWS = 4096          # writes followed at once; beyond, counted and not followed
 MAX_STORES = 16             # store connections held at once
 OP_TIMEOUT = 5.0            # one store operation (connect + handshake included), as job scope's
@@ -129,6 +134,8 @@ class Handover:
         self._gone, self._clock = gone, clock
         # pid -> {"store": (host, port), "node": claimed node, "writes": OrderedDict}
         self._procs: OrderedDict[int, dict] = OrderedDict()
+        # pid -> writes (as in _procs) of a process not announced yet (MAX_UNANNOUNCED)
+        self._unannounced: OrderedDict[int, OrderedDict] = OrderedDict()
         self.handed_over = 0        # writes handed to the reader
         self.settled = 0            # processes that said they need nothing of us
 
@@ -137,6 +144,7 @@ class Handover:
         if self._reader is None:
             return
         pid = event["pid"]
+        early = self._unannounced.pop(pid, None)
         if event.get("settled") is True:
             self.settled += 1
             self._procs.pop(pid, None)
@@ -148,7 +156,9 @@ class Handover:
             return
         proc = self._procs.get(pid)
         if proc is None:
-            proc = self._procs[pid] = {"writes": OrderedDict()}
+            proc = self._procs[pid] = {"writes": early if early is not None else OrderedDict()}
+            for w in proc["writes"].values():
+                w["ident"]["node"] = claimed_node
             while len(self._procs) > MAX_PROCS:
                 self._procs.popitem(last=False)
         self._procs.move_to_end(pid)
@@ -156,9 +166,18 @@ class Handover:
 
     def wrote(self, event: dict) -> None:
         """A validated start or end event of a local process (its node already ours)."""
-        proc = self._procs.get(event["pid"])
-        if proc is None:
+        if self._reader is None or event.get("type") not in ("start", "end"):
             return
+        pid = event["pid"]
+        proc = self._procs.get(pid)
+        if proc is None:
+            # Not announced (yet): kept for its "jobscope" event (MAX_UNANNOUNCED).
+            writes = self._unannounced.get(pid)
+            if writes is None:
+                writes = self._unannounced[pid] = OrderedDict()
+                while len(self._unannounced) > MAX_UNANNOUNCED:
+                    self._unannounced.popitem(last=False)
+            proc = {"node": None, "writes": writes}
         writes = proc["writes"]
         seq = event["seq"]
         w = writes.get(seq)
@@ -181,6 +200,7 @@ class Handover:
     def hung_up(self, pid: int, mono: float, wall: float) -> int:
         """The process's connection was closed by its side: if it is gone, hand its recent
         writes to the reader. Returns how many were handed over."""
+        self._unannounced.pop(pid, None)    # never announced: nothing to read for it
         proc = self._procs.get(pid)
         if proc is None or not self._gone(pid):
             return 0

@@ -117,6 +117,37 @@ def test_only_a_gone_process_that_did_not_settle_is_read_for():
     assert handover.hung_up(21, 12.0, 102.0) == 0                   # once
 
 
+def test_writes_that_came_before_the_jobscope_event_are_read_for():
+    """The hook queues its "jobscope" event for its sender thread, so a save's start and end can
+    reach the agent first (then the process os._exits): those writes are kept for the
+    announcement, bounded, and handed over like the others (they were dropped: the other
+    node's write was never learnt, tests/e2e/test_groundtruth.py y1 under load)."""
+    handed = []
+
+    class Reader:
+        def submit(self, follow):
+            handed.append(follow)
+            return True
+
+    handover = Handover(Reader(), window=2.0, gone=lambda pid: True)
+    handover.wrote({"type": "start", "pid": 41, "seq": 1, "path": "/s/y1.pt",
+                    "wall": 100.0, "mono": 10.0})
+    handover.wrote({"type": "end", "pid": 41, "seq": 1, "path": "/s/y1.pt", "wall": 100.1,
+                    "mono": 10.1, "start_wall": 100.0, "start_mono": 10.0, "outcome": "ok"})
+    handover.announced(jobscope_event(41), "node-b")
+    assert handover.hung_up(41, 10.2, 100.2) == 1
+    (follow,) = handed
+    assert (follow.path, follow.outcome, follow.ident["node"]) == ("/s/y1.pt", "ok", "node-b")
+    # A process that never announces is forgotten at its hang-up, and their number is bounded.
+    handover.wrote({"type": "start", "pid": 42, "seq": 1, "path": "/s/x.pt",
+                    "wall": 100.0, "mono": 10.0})
+    assert handover.hung_up(42, 10.2, 100.2) == 0 and 42 not in handover._unannounced
+    for pid in range(1000, 1000 + storereader.MAX_UNANNOUNCED + 50):
+        handover.wrote({"type": "start", "pid": pid, "seq": 1, "path": "/s/x.pt",
+                        "wall": 100.0, "mono": 10.0})
+    assert len(handover._unannounced) == storereader.MAX_UNANNOUNCED
+
+
 def test_a_write_older_than_two_windows_is_not_read_for():
     """Two windows after its end (clean-up) the process's own job scope reads no more for a
     write; before that it may, a chain going on (a rank SIGTERMed 2.07 s after a save, with
