@@ -22,6 +22,21 @@ import threading
 _lock = threading.Lock()
 
 
+def find_real_spec(watcher, fullname, path, target):
+    """The spec the other finders on sys.meta_path give for `fullname` (skipping `watcher`,
+    the post-import finder asking), or None: what the import would find without us."""
+    for finder in list(sys.meta_path):
+        if finder is watcher:
+            continue
+        find_spec = getattr(finder, "find_spec", None)
+        if find_spec is None:
+            continue
+        spec = find_spec(fullname, path, target)
+        if spec is not None:
+            return spec
+    return None
+
+
 class LibraryImportWatcher:
     """sys.meta_path finder that calls each of callbacks[name] right after module `name`
     imports."""
@@ -45,16 +60,7 @@ class LibraryImportWatcher:
         return spec
 
     def _find_real_spec(self, fullname, path, target):
-        for finder in list(sys.meta_path):
-            if finder is self:
-                continue
-            find_spec = getattr(finder, "find_spec", None)
-            if find_spec is None:
-                continue
-            spec = find_spec(fullname, path, target)
-            if spec is not None:
-                return spec
-        return None
+        return find_real_spec(self, fullname, path, target)
 
     def _wrap_loader(self, fullname, loader) -> None:
         real_exec = getattr(loader, "exec_module", None)

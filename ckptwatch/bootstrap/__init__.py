@@ -91,16 +91,8 @@ class TorchImportWatcher:
         return spec
 
     def _find_real_spec(self, fullname, path, target):
-        for finder in list(sys.meta_path):
-            if finder is self:
-                continue
-            find_spec = getattr(finder, "find_spec", None)
-            if find_spec is None:
-                continue
-            spec = find_spec(fullname, path, target)
-            if spec is not None:
-                return spec
-        return None
+        from ckptwatch.postimport import find_real_spec     # the writers' finder shares it
+        return find_real_spec(self, fullname, path, target)
 
     def _wrap_loader(self, loader) -> None:
         real_exec = getattr(loader, "exec_module", None)
