@@ -411,18 +411,25 @@ class Verifier:
                 self._ready.wait()
             return (self._watched_lane or self._hook_lane).popleft()
 
-    def verify_sets(self, directory: str, runs: dict | None = None) -> list[Verification]:
-        """Verify every checkpoint set in `directory` with the agent's rights (the worker's
-        step for a due set); [] when its files are unchanged since the last time."""
-        sig = checkpoint_sets.signature(directory)
+    def _changed_set(self, directory: str, sig) -> bool:
+        """Remember `sig` as the set's files; False (counted unchanged) when it is what the
+        last verification of `directory` saw."""
         key = ("set", directory)
         if self._verified.get(key) == sig:
             self.unchanged_total += 1
-            return []
+            return False
         self._verified[key] = sig
         self._verified.move_to_end(key)
         if len(self._verified) > MAX_REMEMBERED:
             self._verified.popitem(last=False)
+        return True
+
+    def verify_sets(self, directory: str, runs: dict | None = None) -> list[Verification]:
+        """Verify every checkpoint set in `directory` with the agent's rights (the worker's
+        step for a due set); [] when its files are unchanged since the last time."""
+        sig = checkpoint_sets.signature(directory)
+        if not self._changed_set(directory, sig):
+            return []
         out = []
         for s in checkpoint_sets.find_sets(directory, checkpoint_sets.listing(directory)):
             started = time.monotonic()
@@ -443,14 +450,8 @@ class Verifier:
         if not shards:
             return []                       # removed meanwhile: nothing left to judge
         sig = checkpoint_sets.signature(directory)
-        key = ("set", directory)
-        if self._verified.get(key) == sig:
-            self.unchanged_total += 1
+        if not self._changed_set(directory, sig):
             return []
-        self._verified[key] = sig
-        self._verified.move_to_end(key)
-        if len(self._verified) > MAX_REMEMBERED:
-            self._verified.popitem(last=False)
         n = len(shards)
         return [Verification(
             directory, RESULT_INCOMPLETE, checkpoint_sets.KIND_DCP,
