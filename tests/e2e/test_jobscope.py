@@ -12,66 +12,34 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import uuid
 
 import pytest
 
-from agentproc import start_agent
-from helpers import REPO_ROOT, free_port, remove_tree, short_tmpdir, wait_for
+from helpers import REPO_ROOT, free_port, wait_for
 from jobstore import Rank
+from twonodes import run_two_nodes as run_program_on_two_nodes
+from twonodes import two_agents
 
 torch = pytest.importorskip("torch")
 
 pytestmark = pytest.mark.torch
 
-NODES = ("node-a", "node-b")
-AGENT_ARGS = ("--collision.settle", "0.5", "--collision.job-settle", "3",
-              "--collision.window", "5", "--verify.enabled", "false")
 
 
 @pytest.fixture(scope="module")
 def agents():
-    workdirs = [short_tmpdir("cwj") for _ in NODES]
-    started = []
-    try:
-        for workdir, node in zip(workdirs, NODES):
-            # One agent per simulated node, named as that node's hooks name it.
-            started.append(start_agent(workdir, *AGENT_ARGS, "--node.name", node).__enter__())
-        yield dict(zip(NODES, started))
-    finally:
-        for agent in started:
-            agent.__exit__(None, None, None)
-        for workdir in workdirs:
-            remove_tree(workdir)
+    # One agent per simulated node, named as that node's hooks name it.
+    with two_agents() as started:
+        yield started
 
 
 def run_two_nodes(agents, mode: str, *, extra_env=None, extra_args=(), nproc: int = 2,
                   program=None, set_job: bool = True) -> tuple[str, str]:
     """Both nodes' torchruns at once; (job id, checkpoint directory) once both exit 0.
     program: the training program's arguments (default monitor.cli.demo_job --save mode)."""
-    job = f"js-{mode}-{uuid.uuid4().hex[:8]}"
-    root = short_tmpdir("cwjs")
-    out = os.path.join(root, "ckpt")
-    port = free_port()
-    procs = []
-    for node_rank, node in enumerate(NODES):
-        env = {k: v for k, v in os.environ.items() if not k.startswith("CKPTWATCH_")}
-        env.update({"CKPTWATCH_NODE": node, "OMP_NUM_THREADS": "1",
-                    "CKPTWATCH_SHARED_PATHS": root}, **(extra_env or {}))
-        if set_job:
-            env["CKPTWATCH_JOB"] = job
-        cmd = [sys.executable, "-m", "monitor.cli", "run", "--socket", agents[node].socket,
-               "--", sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
-               "--node-rank", str(node_rank), "--nproc-per-node", str(nproc),
-               "--master-addr", "127.0.0.1", "--master-port", str(port),
-               *(program or ["-m", "monitor.cli.demo_job", "--save", mode]), "--out", out,
-               *extra_args]
-        procs.append(subprocess.Popen(cmd, env=env, cwd=REPO_ROOT, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True))
-    for p in procs:
-        output, _ = p.communicate(timeout=300)
-        assert p.returncode == 0, output[-3000:]
-    return job, out
+    return run_program_on_two_nodes(
+        agents, f"js-{mode}", program or ["-m", "monitor.cli.demo_job", "--save", mode],
+        nproc=nproc, extra_env=extra_env, extra_args=extra_args, set_job=set_job)
 
 
 def records(agent, job: str, kind: str) -> list[dict]:

@@ -37,9 +37,11 @@ def two_agents(*extra):
 
 
 def run_two_nodes(agents, name: str, program: list, *, nproc: int = 1,
-                  extra_env=None, timeout: float = 400) -> tuple[str, str]:
-    """Both nodes' torchruns of `program` (+ --out DIR) at once; (job id, DIR) once both
-    exited 0. DIR is inside the shared root."""
+                  extra_env=None, extra_args=(), set_job: bool = True,
+                  timeout: float = 400) -> tuple[str, str]:
+    """Both nodes' torchruns of `program` (+ --out DIR + extra_args) at once; (job id, DIR)
+    once both exited 0. DIR is inside the shared root. set_job=False leaves CKPTWATCH_JOB
+    unset (the hook then takes the launcher's run id)."""
     job = f"{name}-{uuid.uuid4().hex[:8]}"
     root = short_tmpdir("cw2s")
     out = os.path.join(root, "out")
@@ -47,15 +49,17 @@ def run_two_nodes(agents, name: str, program: list, *, nproc: int = 1,
     procs = []
     for node_rank, node in enumerate(NODES):
         env = {k: v for k, v in os.environ.items() if not k.startswith("CKPTWATCH_")}
-        env.update({"CKPTWATCH_NODE": node, "CKPTWATCH_JOB": job, "OMP_NUM_THREADS": "1",
+        env.update({"CKPTWATCH_NODE": node, "OMP_NUM_THREADS": "1",
                     "CKPTWATCH_SHARED_PATHS": root, "HF_HUB_OFFLINE": "1",
                     "TOKENIZERS_PARALLELISM": "false", "PYTHONWARNINGS": "ignore"},
                    **(extra_env or {}))
+        if set_job:
+            env["CKPTWATCH_JOB"] = job
         cmd = [sys.executable, "-m", "monitor.cli", "run", "--socket", agents[node].socket,
                "--", sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
                "--node-rank", str(node_rank), "--nproc-per-node", str(nproc),
                "--master-addr", "127.0.0.1", "--master-port", str(port),
-               *program, "--out", out]
+               *program, "--out", out, *extra_args]
         procs.append(subprocess.Popen(cmd, env=env, cwd=REPO_ROOT, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True))
     outputs = []
