@@ -79,7 +79,12 @@ _TARGETS = (("torch", "save"), ("torch.serialization", "save"))
 
 _active = False
 _install_lock = threading.Lock()
-_local = threading.local()
+# Threads inside a reported save (nested calls pass straight through). A set of thread ids
+# rather than a threading.local: with no save running anywhere the wrapper's check is one
+# truth test, and a flag on a threading.local cost ~900 instructions per read or write,
+# three per save (issue 22, docs/performance.md). set.add/discard are atomic under the GIL.
+_busy: set = set()
+_get_ident = threading.get_ident
 _seq = itertools.count(1)
 _reported_files: "weakref.WeakSet" = weakref.WeakSet()
 _reported_ids: set = set()        # (id, fileno) for file objects that refuse weak references
@@ -110,6 +115,33 @@ def stats() -> dict:
 
 # ---- install / uninstall --------------------------------------------------------------------
 
+def is_busy() -> bool:
+    """Is this thread inside a reported save already (the hook's or another writer's)?"""
+    return bool(_busy) and _get_ident() in _busy
+
+
+def set_busy(busy: bool) -> None:
+    """Mark this thread as inside a reported save (True) or not (False)."""
+    if busy:
+        _busy.add(_get_ident())
+    else:
+        _busy.discard(_get_ident())
+
+
+def _forget_other_threads() -> None:
+    # In a forked child only the forking thread lives on; the others' marks would only keep
+    # the wrapper off its one-test fast path.
+    me = _get_ident()
+    keep = me in _busy
+    _busy.clear()
+    if keep:
+        _busy.add(me)
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_other_threads)
+
+
 def _is_ours(func) -> bool:
     return any(func is wrapper for wrapper in _wrappers)
 
@@ -117,7 +149,7 @@ def _is_ours(func) -> bool:
 def _make_wrapper(original):
     @functools.wraps(original)
     def save(*args, **kwargs):
-        if not _active or getattr(_local, "busy", False):
+        if not _active or (_busy and _get_ident() in _busy):
             return original(*args, **kwargs)
         try:
             pending = _begin(args, kwargs)
@@ -129,17 +161,18 @@ def _make_wrapper(original):
             if atomic is not None:
                 return atomic(original, args, kwargs)
             return original(*args, **kwargs)
-        _local.busy = True
+        me = _get_ident()
+        _busy.add(me)
         try:
             if atomic is None:
                 result = original(*args, **kwargs)
             else:
                 result = atomic(original, args, kwargs)
         except BaseException as exc:
-            _local.busy = False
+            _busy.discard(me)
             _finish(pending, type(exc).__name__)
             raise
-        _local.busy = False
+        _busy.discard(me)
         _finish(pending, "ok")
         return result
 
@@ -512,7 +545,11 @@ def _begin(args, kwargs):
                 _counters["unreported"] += 1
             return None
         path, fileobj = target
-    site = _site(sys._getframe(2))
+    frame = sys._getframe(2)                 # the wrapper's caller: the call site's frame,
+    known = _codes.get(id(frame.f_code))     # unless torch's or ours (then _site walks on)
+    site = known[1].get(frame.f_lasti) if known is not None and known[1] is not None else None
+    if site is None:
+        site = _site(frame)
     ident = identity()
     heads = site[3].get(path)
     if heads is None or heads[0] is not ident:

@@ -49,7 +49,7 @@ def stats() -> dict:
 
 def busy() -> bool:
     """Is this thread inside a reported save already (ours or the hook's)?"""
-    return getattr(hook._local, "busy", False)
+    return hook.is_busy()
 
 
 def library_dir(module_name: str) -> str | None:
@@ -139,19 +139,19 @@ def begin(path: str, kind: str, skip: tuple = ()) -> Started | None:
         _counters["errors"] += 1
         return None
     was_busy = busy()
-    hook._local.busy = True
+    hook.set_busy(True)
     return Started(pending, kind, was_busy, start)
 
 
 def resume(started: Started) -> None:
     """The thread leaves the reported write's call, which goes on after it returns (an open
     file written by the caller): saves it makes meanwhile are its own."""
-    hook._local.busy = started.was_busy
+    hook.set_busy(started.was_busy)
 
 
 def finish(started: Started, outcome: str, size: int | None = -1) -> None:
     """Report the end of a write begun with begin(); size -1: the file's size now."""
-    hook._local.busy = started.was_busy
+    hook.set_busy(started.was_busy)
     try:
         pending = started.pending
         wall, mono = time.time(), time.monotonic()
