@@ -269,6 +269,7 @@ try:
     print(f"{ok} of {tried} scrapes answered")
 finally:
     agent.kill(); agent.wait()
+    subprocess.run(["rm", "-rf", d])
 """
 
 
@@ -348,6 +349,7 @@ finally:
             victim.kill(); victim.wait()
         stderr = victim.stderr.read()
     agent.terminate(); agent.wait(10)
+    subprocess.run(["rm", "-rf", pub])
 if report is None:
     print(f"victim gave no report ({stderr.strip().splitlines()[-1:]}); {arrived} of "
           f"{saves_after} later saves reached the agent; journal names it a writer: {named}")
