@@ -15,13 +15,18 @@ queue instead (counted in stats()["fallback"], by reason) when:
 - "unconnected": there is no connection and none could be made now. The save path connects
   itself when there is none (below), so this means the agent is absent, its socket untrusted,
   or its listen backlog full -- or a connect failed within the backoff (BACKOFF_MIN..MAX).
-- "busy": another thread holds the connection (the sender thread writing or reading acks,
-  another saving thread, or a save from a signal handler that interrupted a save): the lock
-  is taken without waiting.
+- "busy": another thread held the connection for longer than BUSY_WAIT (2 ms). Only our own
+  threads hold it (the sender thread writing or reading acks, another saving thread), each
+  across non-blocking calls only, so a save that finds it taken waits for it -- a thread
+  switch, bounded -- rather than leave its frame in user space. A save from a signal handler
+  that interrupted a save holding it on the same thread waits the bound and falls back.
 - "full": the socket buffer is full (the agent is not reading: stopped, stalled, behind), or
   took only part of the frame (the rest is finished by the sender thread, first in line).
-- "behind": frames handed to the sender before this one still wait (order: a start always goes
-  before its end, and everything on a connection in the order it was recorded).
+- "behind": frames recorded or queued before this one wait for room in the socket, or more
+  than BATCH_MAX of them wait. Otherwise the save path writes the earlier ones itself (a
+  job-scope event in the queue, frames to send again after a reconnect) and then its own
+  frame: order is kept (a start always goes before its end, everything on a connection in
+  the order it was recorded) and the frame does not wait for the sender thread.
 - "broken": the send failed (the agent closed the connection or died); the sender reconnects.
 
 What is then at risk: a frame in the queue is in user space until the sender thread writes it
@@ -42,11 +47,11 @@ a second; the sender thread retries on the same schedule while it has frames to 
 
 One connection, two writers. The connection, the frames not completely written (_unsent) and
 the frames written but not acknowledged (_unacked) belong to whoever holds _io, a plain lock:
-the save path takes it without waiting (else "busy"), the sender thread with waiting, and
-neither holds it across anything that waits (the sender polls for room, and runs the notice
-handler, without it). Frames are written in the order they are recorded: the save path writes
-directly only when nothing recorded earlier still waits ("behind"), and the sender moves its
-queue into _unsent under the lock.
+the save path waits BUSY_WAIT at most for it (else "busy"), the sender thread as long as it
+takes, and neither holds it across anything that waits (the sender polls for room, and runs the
+notice handler, without it). Frames are written in the order they are recorded: whoever holds
+the lock moves the queue into _unsent and writes from its head, so the save path writes what
+was recorded before its frame, then its frame.
 
 Cost (issue 22; bench/hook_overhead.py, docs/performance.md). Python work on a background
 thread while the training thread runs makes the two trade the GIL, and each hand-over costs
@@ -127,6 +132,7 @@ ACK_POLL = 0.5                # idle wake-up period while frames wait for acknow
 AGENT_READS = 4               # recv calls per turn for acks and notices: bounded work
 MAX_UNACKED = 4096            # frames kept for resending (~1-2 MB at most)
 UNACKED_KICK = 1024           # the save path wakes the sender to read acks at this many
+BUSY_WAIT = 0.002             # a save waits at most this long for the connection lock
 FALLBACK_REASONS = ("unconnected", "busy", "full", "behind", "broken")
 _PEERCRED = struct.Struct("3i")   # struct ucred: pid, uid, gid
 _NONBLOCKING = socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL
@@ -223,7 +229,11 @@ class Emitter:
         caller's thread, without waiting; if it cannot go now, queue it for the sender thread
         (module doc: the reasons, and what is then at risk). Never blocks, never raises."""
         io = self._io
-        if not io.acquire(False):
+        # Held only by our own threads, across non-blocking calls (module doc, "busy"): a
+        # holder is a thread switch from releasing it, so waiting BUSY_WAIT at most keeps the
+        # frame out of user space. A save from a signal handler that interrupted its own
+        # thread's hold waits the bound and falls back.
+        if not io.acquire(False) and not io.acquire(True, BUSY_WAIT):
             self._fall_back(frame, "busy")
             return
         try:
@@ -231,7 +241,7 @@ class Emitter:
             if sock is None:
                 reason = self._connect_and_write(frame)
             elif self._unsent or self._queue:
-                reason = "behind"
+                reason = self._write_after_earlier(frame)
             else:
                 try:
                     written = sock.send(frame, _NONBLOCKING)
@@ -280,23 +290,36 @@ class Emitter:
             self._wake.set()     # time to read acks (module doc, "Cost")
 
     def _connect_and_write(self, frame: bytes) -> str | None:
-        """record() without a connection (under _io): connect without waiting and write the
-        hello and the frame. The fallback reason, or None once the frame is written or first
-        in line."""
+        """record() without a connection (under _io): connect without waiting, then write the
+        hello and the frame. The fallback reason, or None once the frame is written or in
+        _unsent."""
         if self._closed or not self._connect_locked(forced=False):
             return "unconnected"
-        if self._queue or len(self._unsent) != 1:
-            return "behind"      # frames to send again after a lost connection: the thread's
-        self._unsent.append(frame)
+        return self._write_after_earlier(frame)
+
+    def _write_after_earlier(self, frame: bytes) -> str | None:
+        """record() while frames recorded before this one still wait -- a new connection's
+        hello, job-scope events in the queue, frames to send again, a frame the full socket
+        took in part (under _io): the caller's thread writes them, then the frame, so it never
+        waits in user space for a thread switch ("behind" in the module doc used to mean
+        that). None once the frame is written, or in _unsent behind frames the socket has no
+        room for (counted "full", or "broken" when the connection is gone; the sender thread
+        finishes); "behind" when more than BATCH_MAX wait: the sender's work, bounded here."""
+        self._fill()
+        unsent = self._unsent
+        if self._queue or len(unsent) >= BATCH_MAX:
+            return "behind"
+        unsent.append(frame)
         try:
             done = self._send()
         except OSError:
-            self._unsent.pop()   # not a byte of it went: the sender takes it from the queue
-            return "broken"
+            done = False
+            self._fallback["broken"] += 1   # the sender finds the connection gone, sends again
+        else:
+            if not done:
+                self._fallback["full" if unsent[0] is frame else "behind"] += 1
         if done:
             self._direct += 1
-        else:
-            self._fallback["full"] += 1
         return None
 
     def _fall_back(self, frame: bytes, reason: str) -> None:

@@ -182,6 +182,34 @@ def test_a_job_scope_event_goes_after_the_start_of_the_save_it_names(sock, make_
         assert [e["type"] for e in rx.events] == ["start", "jobscope", "end"]
 
 
+def test_a_frame_recorded_behind_queued_events_is_in_the_socket_when_record_returns(
+        sock, make_emitter, monkeypatch):
+    # Job scope queues its events for the sender thread. A save recorded while one waits used
+    # to queue its frame behind it ("behind"): in user space until the sender ran, so a
+    # process SIGKILLed in that thread switch lost its start (the ground-truth checker saw it
+    # under load). Now the save path writes the queued event, then its frame. The sender
+    # thread is kept from running to make that window as wide as it gets.
+    listener = Listener(sock)
+    try:
+        emitter = make_emitter(sock)
+        emitter.record(frame("start", 1))
+        listener.accept()
+        assert kinds(listener.waiting_now()) == [("hello", None), ("start", 1)]
+        wait_for(emitter._drained, message="the sender asleep")
+        monkeypatch.setattr(emitter, "_wake", threading.Event())   # the sender sleeps on
+        emitter.emit({"v": 1, "type": "jobscope", "node": "test-node",   # its old event
+                      "pid": start_event()["pid"], "state": "active", "wall": time.time()})
+        emitter.record(frame("end", 1))
+        assert kinds(listener.waiting_now()) == [("jobscope", None), ("end", 1)]
+        emitter.record(frame("start", 2))
+        assert kinds(listener.waiting_now()) == [("start", 2)]
+        stats = emitter.stats()
+        assert stats["direct"] == 3 and stats["fallback"]["behind"] == 0
+        assert stats["queued"] == 0
+    finally:
+        listener.close()
+
+
 def test_threads_recording_at_once_each_keep_their_order(sock, make_emitter):
     # The save path of many threads and the sender thread share one connection: no frame is
     # lost, cut or interleaved with another, and each thread's frames keep their order.
