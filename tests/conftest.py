@@ -1,3 +1,4 @@
+import collections
 import importlib.util
 import os
 import sys
@@ -23,6 +24,26 @@ _HAVE_TORCH = importlib.util.find_spec("torch") is not None
 _UNGROUPED = pytest.StashKey[bool]()     # a test xdist should have grouped and did not
 
 
+# The e2e lanes, by module, balanced by their cost in a whole-suite run (docs/decisions.md,
+# "What each tier costs"): ~560 s and ~380 s of the 1,050 s of e2e on 2026-12-05. Lane "e2e-a"
+# holds the multi-rank torchrun jobs whose verdicts depend on how writes fall (frameworks, job
+# scope, multi-host, the soak, ground truth), "e2e-b" the file-system watcher's races and the
+# CLI's end-to-end runs. A new e2e module that starts training jobs belongs in one of them.
+_E2E_LANES = {
+    **dict.fromkeys(("test_frameworks", "test_jobscope", "test_multihost", "test_resume_guard",
+                     "test_torchrun", "test_soak", "test_groundtruth", "test_integrity",
+                     "test_atomic", "test_jobscope_exit"), "e2e-a"),
+    **dict.fromkeys(("test_fswatch", "test_check", "test_demo", "test_diagnose", "test_warn",
+                     "test_dashboard", "test_acks", "test_exit_record", "test_resume",
+                     "test_incomplete_set", "test_sets"), "e2e-b"),
+}
+
+
+def _lane_of(item):
+    mark = item.get_closest_marker("xdist_group")
+    return mark.args[0] if mark is not None and mark.args else None
+
+
 def _mark_the_tier(items):
     misplaced = []
     for item in items:
@@ -41,19 +62,27 @@ def pytest_collection_modifyitems(config, items):
     _mark_the_tier(items)
     # scripts/test runs the suite on two pytest-xdist workers with --dist loadgroup. The marks
     # go on before xdist's own hook reads them (a wrapper runs first), and are checked after it.
-    # - End-to-end tests form one group: they run one at a time, in collection order, on one
-    #   worker, as in a serial run, while the other worker takes the rest. Many of them count on
-    #   the scheduler (ranks that save after a barrier overlap, a store answers within its
-    #   timeout, the soak's latency bound); run two at a time they failed where serial runs
-    #   passed (docs/decisions.md). CKPTWATCH_TEST_PARALLEL_E2E=1 spreads them over both.
+    # - End-to-end tests run in two lanes (_E2E_LANES), each one test at a time, in collection
+    #   order, on one worker: at most two e2e tests run at once. One lane held all of them
+    #   until 2026-12-05 and took the whole run's wall time (1,050 s of e2e against 216 s of
+    #   fast tier; the other worker idled for 14 minutes). Many of them count on the scheduler
+    #   (ranks that save after a barrier overlap, a store answers within its timeout, the
+    #   soak's latency bound): spread over both workers without lanes they failed where serial
+    #   runs passed (docs/decisions.md). E2e modules in no lane (their writes are events a test
+    #   sends or overlap by construction, or they start no job) are grouped by module like the
+    #   fast tier's. CKPTWATCH_TEST_PARALLEL_E2E=1 spreads every e2e test over both workers.
+    #   The lanes come first in the items (scripts/test passes --no-loadscope-reorder), so
+    #   the two workers take one each before anything else.
     # - Other tests that share a module-scoped fixture stay on one worker, so its set-up is
     #   paid once; every other test goes wherever a worker is free.
     xdist = config.pluginmanager.hasplugin("xdist")
     if xdist:
-        e2e_lane = os.environ.get("CKPTWATCH_TEST_PARALLEL_E2E", "0") == "0"
+        e2e_lanes = os.environ.get("CKPTWATCH_TEST_PARALLEL_E2E", "0") == "0"
         for item in items:
-            if e2e_lane and item.get_closest_marker("e2e") is not None:
-                item.add_marker(pytest.mark.xdist_group("e2e"))
+            lane = _E2E_LANES.get(item.module.__name__.rpartition(".")[2]) \
+                if e2e_lanes and item.get_closest_marker("e2e") is not None else None
+            if lane is not None:
+                item.add_marker(pytest.mark.xdist_group(lane))
                 continue
             info = getattr(item, "_fixtureinfo", None)
             scopes = {defs[-1].scope for defs in info.name2fixturedefs.values() if defs} \
@@ -61,6 +90,14 @@ def pytest_collection_modifyitems(config, items):
             if "module" in scopes:
                 item.add_marker(pytest.mark.xdist_group(item.module.__name__))
     result = yield
+    if xdist:
+        # The lanes first, then the other groups largest first (what xdist's own reordering,
+        # off in scripts/test, would do), so no big group is left for the end.
+        lanes = sorted(set(_E2E_LANES.values()))
+        sizes = collections.Counter(_lane_of(item) for item in items)
+        items.sort(key=lambda item: (lanes.index(_lane_of(item)) if _lane_of(item) in lanes
+                                     else len(lanes),
+                                     -sizes[_lane_of(item)] if _lane_of(item) else 0))
     # xdist groups by a suffix it appends to the node id; pytest 9.2 ignores that and the
     # groups silently fall apart (pytest-xdist issue 1386), each worker then building the
     # shared fixtures again. The grouped tests fail instead (pytest_runtest_setup).

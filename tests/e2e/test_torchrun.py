@@ -22,6 +22,7 @@ pytestmark = pytest.mark.torch
 
 NPROC = 4
 SETTLE = 0.5
+OVERLAPJOB = os.path.join(REPO_ROOT, "tests", "support", "overlapjob.py")
 
 
 @pytest.fixture(scope="module")
@@ -32,15 +33,27 @@ def agent():
     remove_tree(workdir)
 
 
-def run_job(agent, mode: str, *, nproc: int = NPROC, extra_env=None, extra_args=()) -> tuple[str, str]:
-    """Run monitor.cli.demo_job under `ckptwatch run` (the real CLI); return (job id, out dir)."""
+def overlapping(writers: int) -> tuple[list, dict]:
+    """(program, env) for demo_job whose `writers` writers overlap by construction
+    (tests/support/overlapjob.py), for tests that need a concurrent collision, not a race."""
+    return [OVERLAPJOB], {"OVERLAP_DIR": short_tmpdir("cwov"), "OVERLAP_WRITERS": str(writers)}
+
+
+def run_job(agent, mode: str, *, nproc: int = NPROC, extra_env=None, extra_args=(),
+            overlap: bool = False) -> tuple[str, str]:
+    """Run monitor.cli.demo_job under `ckptwatch run` (the real CLI); return (job id, out dir).
+    overlap: every writer's save overlaps every other's (each rank writes: nproc writers)."""
     job = f"e2e-{mode}-{uuid.uuid4().hex[:8]}"
     out = os.path.join(short_tmpdir("cwo"), "ckpt")
     env = {k: v for k, v in os.environ.items() if not k.startswith("CKPTWATCH_")}
     env.update({"CKPTWATCH_JOB": job, "OMP_NUM_THREADS": "1"}, **(extra_env or {}))
+    program = ["-m", "monitor.cli.demo_job"]
+    if overlap:
+        program, overlap_env = overlapping(nproc)
+        env.update(overlap_env)
     cmd = [sys.executable, "-m", "monitor.cli", "run", "--socket", agent.socket, "--",
            sys.executable, "-m", "torch.distributed.run", "--standalone",
-           "--nproc-per-node", str(nproc), "-m", "monitor.cli.demo_job", "--out", out,
+           "--nproc-per-node", str(nproc), *program, "--out", out,
            "--save", mode, *extra_args]
     result = subprocess.run(cmd, env=env, cwd=REPO_ROOT, capture_output=True, text=True,
                             timeout=240)
@@ -146,18 +159,22 @@ def test_two_nodes_with_local_rank0_guard_collide_on_shared_storage(agent):
     out = os.path.join(short_tmpdir("cwo"), "ckpt")
     from helpers import free_port
     port = free_port()
+    # The two writers (local rank 0 of each node) overlap by construction: two 8 MiB saves
+    # after a barrier did not always overlap on a loaded machine, and back-to-back writes are
+    # a redundant chain, reported only after the 60 s collision window.
+    program, overlap_env = overlapping(2)
     procs = []
     for node_rank, node in enumerate(("node-a", "node-b")):
         env = {k: v for k, v in os.environ.items() if not k.startswith("CKPTWATCH_")}
         # Node scope only: one agent sees both "nodes"' processes on this host (job scope,
         # which would add each node's view of the other, has tests/e2e/test_jobscope.py).
         env.update({"CKPTWATCH_JOB": job, "CKPTWATCH_NODE": node, "OMP_NUM_THREADS": "1",
-                    "CKPTWATCH_JOBSCOPE": "0"})
+                    "CKPTWATCH_JOBSCOPE": "0"}, **overlap_env)
         cmd = [sys.executable, "-m", "monitor.cli", "run", "--socket", agent.socket, "--",
                sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
                "--node-rank", str(node_rank), "--nproc-per-node", "2",
                "--master-addr", "127.0.0.1", "--master-port", str(port),
-               "-m", "monitor.cli.demo_job", "--out", out, "--save", "local-rank0"]
+               *program, "--out", out, "--save", "local-rank0"]
         procs.append(subprocess.Popen(cmd, env=env, cwd=REPO_ROOT, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True))
     for p in procs:
@@ -177,7 +194,9 @@ def test_real_prometheus_scrapes_the_agent_and_the_collision_alert_goes_pending(
     """The fleet path: a real Prometheus with the shipped scrape settings and alert rules,
     scraping the real agent after a real 2-rank collision."""
     from prom import start_prometheus, wait_for_query
-    job, out = run_job(agent, "every-rank", nproc=2)
+    # The two ranks' saves overlap by construction (an 8 MiB save could end before the other
+    # rank's began on a loaded machine: a redundant chain, reported only after the 60 s window).
+    job, out = run_job(agent, "every-rank", nproc=2, overlap=True)
     wait_for(lambda: collisions_of(agent, job), timeout=30, message="collision record")
     rules = os.path.join(REPO_ROOT, "deploy", "prometheus", "ckptwatch-rules.yml")
     target = agent.url.split("//", 1)[1].rstrip("/")
