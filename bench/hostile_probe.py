@@ -13,9 +13,17 @@ alternate, case by case, so both see the same load.
 
 Sizes are scaled down from the issue's where the old code would pass the caps anyway (the
 issue's 1 M hazards and 2 M writes: 200 k here; 40 s of slowloris: 20 s). The notice attack
-(item 1) and the stalled store (item 2) need a real agent, a victim torch process, a second uid
-and torchrun: their figures come from tests/e2e/test_hostile_notices.py and
-tests/e2e/test_jobscope_exit.py, not from this script.
+(item 1) starts the tree's real agent, a victim torch process and an attacker as uid 65534; the
+stalled store (item 2) runs tests/e2e/test_jobscope_exit.py's run_ranks on the tree.
+
+The job's store (item 3, cases store-*) runs a real TCPStore, one real agent per node and two
+real ranks of a simulated 2-node job under the tree's hook (`warn`), and an attacker process
+that writes at the keys THAT tree reads: f503c65's slot keys PREFIX/<h>/<epoch>/<i> with their
+counter .../n and its ticket counter PREFIX/t; this tree's write logs PREFIX/p/<h> and exit
+count PREFIX/x (the prefix is the one the rank's own job scope reports). Recorded: each rank's
+exit code and peak RSS (wait4), its stderr (bytes, raw ESC, C++ frame lines), job scope's
+state, whether a later save of one path by both ranks is still exchanged (a rank's
+remote_reported counter), and what the agents' journals hold.
 """
 from __future__ import annotations
 
@@ -404,6 +412,266 @@ print(f"rank exit codes {dict(codes)}, 'terminate called' in {aborts} of {len(re
 """
 
 
+# Item 3: the job's store as input. A real TCPStore (in the case's process), one real agent per
+# node and 2 real ranks of a simulated 2-node job (WORLD_SIZE 2, LOCAL_WORLD_SIZE 1: job scope
+# on) with the tree's hook under `warn`; an attacker process (the tree's python, a plain torch
+# TCPStore client) writes into the store at the keys THAT tree reads (its own layout: f503c65's
+# PREFIX/<h>/<epoch>/n slot counter, PREFIX/<h>/<epoch>/<i> JSON slots and PREFIX/t ticket
+# counter; this tree's PREFIX/p/<h> write log and PREFIX/x exit count). The prefix is the one
+# the rank's own job scope reports (scope.prefix), so neither tree's key rules are copied here.
+_RANK3 = r"""
+import json, os, resource, sys, time
+import torch
+import ckptwatch
+ckptwatch.install()
+from ckptwatch import jobscope
+deadline = time.monotonic() + 60
+while time.monotonic() < deadline:
+    scope = jobscope.instance()
+    if scope is not None and scope.state != "connecting":
+        break
+    time.sleep(0.02)
+scope = jobscope.instance()
+def hwm():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmHWM"):
+            return int(line.split()[1])
+def say(**kw):
+    kw.update(state=scope.state, stats={k: v for k, v in scope.stats().items()
+                                        if isinstance(v, (int, str))}, hwm_kib=hwm())
+    print(json.dumps(kw), flush=True)
+say(ready=True, prefix=scope.prefix, pid=os.getpid())
+for line in sys.stdin:
+    cmd = json.loads(line)
+    for path in cmd.get("save", []):
+        torch.save({"w": torch.zeros(64)}, path)
+    say(done=True)
+"""
+
+_ATTACK3 = r"""
+import json, sys, time
+import torch.distributed as dist
+port, prefix, what, arg = int(sys.argv[1]), sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
+new = prefix.startswith("/")      # this tree: a raw-wire prefix; torch's client adds the "/"
+key0 = prefix.lstrip("/")
+store = dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False)
+try:
+    from ckptwatch.jobkeys import path_hash
+except ImportError:
+    from ckptwatch.jobscope import path_hash
+ESC = "\x1b[2J\x1b]0;pwned\x07"
+now = time.time()
+epoch = int(now // 60)            # f503c65's default 60 s window
+if what == "garbage":             # arg: the paths the ranks save next
+    blob = bytes(range(256)) * (4096 * arg["mib"])
+    if new:                       # one write log per path
+        for p in arg["paths"][:arg["n"]]:
+            store.set(f"{key0}/p/{path_hash(p)}", blob)
+    else:                         # the slots of the first path's epoch: one reader pulls all
+        base = f"{key0}/{path_hash(arg['paths'][0])}/{epoch}"
+        for i in range(1, arg["n"] + 1):
+            store.set(f"{base}/{i}", blob)
+        store.set(f"{base}/n", str(arg["n"]))
+elif what in ("fake-start", "fake-end"):
+    site, path = ESC + "/evil.py\n2026-12-05 INFO forged log line:1", arg["path"]
+    end = now + 1.0 if what == "fake-end" else None
+    if new:
+        line = ({"k": "s", "n": "ghost-node", "p": 4242, "q": 1, "r": 1, "l": 0, "ws": 2,
+                 "lws": 1, "nr": 1, "w": now - 1.0, "site": site, "func": ESC + "f"}
+                if end is None else
+                {"k": "e", "n": "ghost-node", "p": 4242, "q": 1, "w": end, "b": 100,
+                 "o": "ok", "sh": "nfs"})
+        store.append(f"{key0}/p/{path_hash(path)}", "\n" + json.dumps(line) + "\n")
+    else:
+        base = f"{key0}/{path_hash(path)}/{epoch}"
+        rec = {"node": "ghost-node", "pid": 4242, "rank": 1, "local_rank": 0,
+               "world_size": 2, "local_world_size": 1, "node_rank": 1, "seq": 1,
+               "path": path, "site": site, "func": ESC + "f", "shared": "nfs",
+               "sw": now - 1.0, "ew": end, "ts": None, "te": None, "bytes": 100,
+               "outcome": "ok" if end else None}
+        # Ended already, 30 s in the future (walls decide without tickets): the rank reports
+        # it at its first read, while the agent still holds the rank's own write.
+        rec.update(ew=now + 30.0, outcome="ok")
+        if end is None:
+            store.set(f"{base}/n", "1000")  # the ranks' slots come after ours
+        store.set(f"{base}/1000", json.dumps(rec))
+elif what == "counter":
+    key = f"{key0}/x" if new else f"{key0}/t"    # exit count / ticket counter
+    store.set(key, ESC + "not-a-number")
+print("attacked", what, flush=True)
+"""
+
+_STORE3 = r"""
+import json, os, select, subprocess, sys, time
+repo, tree, case = sys.argv[1], os.getcwd(), sys.argv[2]
+sys.path[:0] = [os.path.join(repo, "tests", "support")]
+import torch.distributed as dist
+from helpers import free_port, short_tmpdir, remove_tree
+port = free_port()
+store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+wd = os.path.realpath(short_tmpdir("cws3"))
+other = os.path.join(wd, "elsewhere")      # a shared prefix that is not the checkpoint dir
+os.mkdir(other)
+agents, ranks, errs = [], [], []
+def journal(i):
+    try:
+        return [json.loads(l) for l in open(os.path.join(wd, f"j{i}.jsonl")) if l.strip()]
+    except (OSError, ValueError):
+        return []
+def wait(cond, t):
+    end = time.monotonic() + t
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(0.1)
+    return bool(cond())
+def ask(i, cmd, t=90):
+    p = ranks[i]
+    p.stdin.write(json.dumps(cmd) + "\n"); p.stdin.flush()
+    if not select.select([p.stdout], [], [], t)[0]:
+        return None
+    line = p.stdout.readline()
+    return json.loads(line) if line else None
+def attack(what, arg):
+    subprocess.run([sys.executable, "-c", ATTACK, str(port), prefix, what, json.dumps(arg)],
+                   check=True, timeout=120, stdout=subprocess.DEVNULL)
+out = {}
+try:
+    for i in range(2):
+        agents.append(subprocess.Popen(
+            [sys.executable, "agent.py", "--node.name", f"node-{i}", "--ingest.socket",
+             os.path.join(wd, f"a{i}.sock"), "--journal.path", os.path.join(wd, f"j{i}.jsonl"),
+             "--verify.enabled", "false", "--collision.settle", "0.3",
+             # a write is held job-settle seconds for other nodes' reports of it
+             "--collision.job-settle", "5", "--web.listen-address", "127.0.0.1:0"],
+            stdout=subprocess.DEVNULL, stderr=open(os.path.join(wd, f"agent{i}.err"), "w")))
+    assert wait(lambda: all(os.path.exists(os.path.join(wd, f"a{i}.sock")) for i in range(2)),
+                60), "agents"
+    for i in range(2):
+        env = {k: v for k, v in os.environ.items() if not k.startswith("CKPTWATCH_")}
+        env.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(i),
+                    "LOCAL_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "1",
+                    "GROUP_RANK": str(i), "CKPTWATCH_NODE": f"node-{i}",
+                    "CKPTWATCH_JOB": "store3", "CKPTWATCH_POLICY": "warn",
+                    "OMP_NUM_THREADS": "1", "PYTHONPATH": tree,
+                    "CKPTWATCH_SOCKET": os.path.join(wd, f"a{i}.sock"),
+                    # hazard case: node-1 does not see the checkpoint dir as shared
+                    "CKPTWATCH_SHARED_PATHS": other if (case == "hazard" and i == 1) else wd})
+        errs.append(os.path.join(wd, f"rank{i}.err"))
+        ranks.append(subprocess.Popen([sys.executable, "-c", RANK], env=env, cwd=wd,
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                      stderr=open(errs[i], "w"), text=True))
+    ready = [json.loads(p.stdout.readline()) for p in ranks]
+    prefix = ready[0]["prefix"]
+    out["ready"] = [r["state"] for r in ready]
+    def exchanged(name):
+        # A later save of one path by both ranks: does either rank report the other's write?
+        path = os.path.join(wd, name)
+        before = [r["stats"].get("remote_reported", 0) for r in [ask(0, {}), ask(1, {})]
+                  if r is not None]
+        if len(before) < 2:
+            return "ranks gone"
+        ask(0, {"save": [path]}); ask(1, {"save": [path]})
+        t0 = time.monotonic()
+        got = wait(lambda: any((r := ask(i, {}, 10)) is not None and
+                               r["stats"].get("remote_reported", 0) > before[i]
+                               for i in range(2)), 20)
+        return f"yes ({time.monotonic() - t0:.1f} s)" if got else "no (20 s)"
+    if case == "garbage":
+        n, mib = int(sys.argv[3]), int(sys.argv[4])
+        paths = [os.path.join(wd, f"g{i}.pt") for i in range(n)]
+        attack("garbage", {"paths": paths, "n": n, "mib": mib})
+        t0 = time.monotonic()
+        r = [ask(i, {"save": paths}) for i in range(2)]
+        out["saves_s"] = round(time.monotonic() - t0, 1)
+        time.sleep(3.0)      # let the readers pull what was planted (polls at 0.2 s, doubling)
+        r = [ask(i, {}, 30) for i in range(2)]
+        out["after_attack"] = [None if x is None else
+                               {"state": x["state"], "hwm_mib": x["hwm_kib"] >> 10,
+                                **{k: x["stats"].get(k) for k in ("oversized", "errors")
+                                   if k in x["stats"]}} for x in r]
+        out["later_save_exchanged"] = exchanged("later.pt")
+    elif case == "fake":
+        path = os.path.join(wd, "f.pt")
+        attack("fake-start", {"path": path})
+        ask(0, {"save": [path]})
+        attack("fake-end", {"path": path})
+        # a hazard naming the ghost comes at once; wait for a collision naming it
+        wait(lambda: any("ghost-node" in json.dumps(r) and r.get("type") != "hazard"
+                         for r in journal(0)), 20)
+        # the notice (warn) to rank 0, if any, is printed when it arrives
+        wait(lambda: "evil" in open(errs[0], errors="replace").read(), 5)
+        ghost = [r for r in journal(0) if "ghost-node" in json.dumps(r)]
+        out["journal_node0_naming_ghost"] = [(r.get("type"), r.get("scope")) for r in ghost]
+        out["journal_node0_types"] = sorted({str(r.get("type")) for r in journal(0)})
+        out["rank0_remote_reported"] = (ask(0, {}) or {}).get("stats", {}).get("remote_reported")
+        out["agent0_stderr"] = ascii(open(os.path.join(wd, "agent0.err"), errors="replace").read()[-600:])
+        out["rank0_stderr"] = ascii(open(errs[0], errors="replace").read()[-400:])
+    elif case == "counter":
+        attack("counter", {})
+        ask(0, {"save": [os.path.join(wd, "c.pt")]}); ask(1, {"save": [os.path.join(wd, "c.pt")]})
+        time.sleep(1.0)
+        out["state_after_a_save"] = [x and x["state"] for x in (ask(0, {}), ask(1, {}))]
+        out["later_save_exchanged"] = exchanged("later.pt")
+    elif case == "hazard":
+        path = os.path.join(wd, "h.pt")
+        ask(0, {"save": [path]}); ask(1, {"save": [path]})
+        wait(lambda: any(r.get("type") == "hazard" for r in journal(1)), 15)
+        wait(lambda: any(r.get("type") == "hazard" for r in journal(0)), 5)
+        out["hazards_in_journal"] = {f"node-{i}": [(r.get("hazard") or r.get("kind"),
+                                                    r.get("shared")) for r in journal(i)
+                                                   if r.get("type") == "hazard"]
+                                     for i in range(2)}
+        out["agent1_stderr_rejects"] = sum(
+            ("reject" in l.lower() or "invalid" in l.lower())
+            for l in open(os.path.join(wd, "agent1.err"), errors="replace"))
+    codes, hwm = [], []
+    for p in ranks:
+        p.stdin.close()
+        end = time.monotonic() + 60
+        while True:
+            pid, status, usage = os.wait4(p.pid, os.WNOHANG)
+            if pid:
+                codes.append(os.waitstatus_to_exitcode(status)); hwm.append(usage.ru_maxrss >> 10)
+                p.returncode = codes[-1]
+                break
+            if time.monotonic() > end:
+                p.kill(); codes.append("hung"); hwm.append(None)
+                break
+            time.sleep(0.1)
+    out["rank_exit"], out["rank_peak_rss_mib"] = codes, hwm
+    stderr = [open(e, "rb").read() for e in errs]
+    out["rank_stderr_bytes"] = [len(s) for s in stderr]
+    out["rank_stderr_raw_esc"] = [s.count(b"\x1b") for s in stderr]
+    out["rank_stderr_cpp_frames"] = [s.count(b"frame #") + s.count(b"Exception raised from")
+                                     for s in stderr]
+finally:
+    for p in ranks + agents:
+        if p.poll() is None:
+            p.kill(); p.wait()
+    remove_tree(wd)
+print(json.dumps(out))
+"""
+
+
+def _store3_said(r: dict) -> str:
+    """The case's JSON line, compact, for the table."""
+    try:
+        got = json.loads(r["out"].strip().splitlines()[-1])
+    except (IndexError, ValueError):
+        return last_line(r["out"] + "\n" + r["err"])
+    got.pop("agent0_stderr", None)
+    tail = got.pop("rank0_stderr", None)
+    said = "; ".join(f"{k} {json.dumps(v)}" for k, v in got.items())
+    if tail is not None:
+        said += f"; rank0 stderr ends {tail[-160:]}"
+    return said
+
+
+def _store3_script() -> str:
+    return f"RANK = {_RANK3!r}\nATTACK = {_ATTACK3!r}\n" + _STORE3
+
+
 def cases(p: dict, seconds: float) -> dict:
     """name -> (item, sub-case, argv, what to show of the result)."""
     cli = ["-m", "monitor.cli"]
@@ -419,6 +687,20 @@ def cases(p: dict, seconds: float) -> dict:
                           ["-c", _notice_script(), "escape"], lambda r: last_line(r["out"])),
         "store-stall": ("2", "store stalls 4 s and recovers while 8 ranks exit",
                         ["-c", _STALL, REPO], lambda r: last_line(r["out"])),
+        "store-garbage": ("3", f"{GARBAGE[0]} x {GARBAGE[1]} MiB garbage values at the keys "
+                          "the ranks read", ["-c", _store3_script(), REPO, "garbage",
+                                             str(GARBAGE[0]), str(GARBAGE[1])],
+                          _store3_said),
+        "store-fake-record": ("3", "one well-formed fake record, node that does not exist, "
+                              "escape codes in its call site",
+                              ["-c", _store3_script(), REPO, "fake"],
+                              _store3_said),
+        "store-counter": ("3", "a non-numeric value where the tree reads a counter",
+                          ["-c", _store3_script(), REPO, "counter"],
+                          _store3_said),
+        "store-hazard-shared": ("3", "hazard learnt on a node that does not see the path shared",
+                                ["-c", _store3_script(), REPO, "hazard"],
+                                _store3_said),
         "lint-fifo": ("5", "lint on a *.py FIFO", cli + ["lint", p["lint_fifo"]], None),
         "lint-zero": ("5", "lint on *.py -> /dev/zero", cli + ["lint", p["lint_zero"]], None),
         "lint-200MB": ("5", "lint on a 200 MB *.py", cli + ["lint", p["lint_big"]], None),
@@ -465,7 +747,9 @@ def cases(p: dict, seconds: float) -> dict:
 
 
 # Cases that start eight torch processes get more than --timeout (stated in the table).
-LONGER = {"store-stall": 180.0}
+LONGER = {"store-stall": 180.0, "store-garbage": 180.0, "store-fake-record": 180.0,
+          "store-counter": 180.0, "store-hazard-shared": 180.0}
+GARBAGE = (64, 4)    # values x MiB (item 3)
 
 
 def summary(r: dict, show) -> str:
