@@ -379,6 +379,53 @@ def test_an_oversized_log_is_skipped_without_holding_it_in_memory(job_store):
     assert a.scope.state == "active"
 
 
+@pytest.mark.torch
+def test_many_oversized_values_leave_job_scope_active_and_unstuck(job_store):
+    # Issue 17 item 3: 64 x 4 MiB of garbage under our prefix (one value per path a rank
+    # writes) left job scope stuck on f503c65, and one run had both ranks abort.
+    a = Rank(job_store.port, "node-a", 0, 0)
+    wait_for(lambda: a.active(), message="connected")
+    paths = [os.path.join(SHARED, f"junk{i}.pt") for i in range(64)]
+    junk = b"\xff" * (4 << 20)
+    for path in paths:
+        job_store.set(torch_key(log_key(run_prefix(a.ident), path_hash(path))), junk)
+    for path in paths:
+        a.save(path)
+    wait_for(lambda: a.scope.counters["oversized"] >= 64, timeout=120,
+             message=lambda: f"every junk log skipped: {a.scope.stats()}")
+    assert a.scope.state == "active" and a.of_type("remote") == []
+    a.save(os.path.join(SHARED, "fine.pt"))             # and the next path is still read
+    reads = a.scope.counters["reads"]
+    wait_for(lambda: a.scope.counters["reads"] > reads, message="the next path is read")
+
+
+@pytest.mark.torch
+def test_a_non_numeric_exit_count_disables_job_scope_in_one_line_at_once(job_store, capfd,
+                                                                        caplog):
+    # Issue 17 item 3: on f503c65 a non-numeric value under job scope's ticket counter
+    # disabled job scope with a 2.3 KB C++ traceback in every rank's stderr. The counter a
+    # rank now adds to is the exit count: the store refuses the ADD and closes the connection,
+    # and the rank says so in one warning and exits at once (no exit wait, no traceback).
+    from ckptwatch.jobkeys import exit_key
+    a = Rank(job_store.port, "node-a", 0, 0, exit_wait=30.0)
+    wait_for(lambda: a.active(), message="connected")
+    job_store.set(torch_key(exit_key(run_prefix(a.ident))), b"many\x1b[31m")
+    a.save(os.path.join(SHARED, "last.pt"))
+    wait_for(lambda: a.idle(), message="the save's lines sent")
+    t0 = time.monotonic()
+    with caplog.at_level("WARNING", "ckptwatch"):
+        a.scope.close()
+    assert time.monotonic() - t0 < 20, "the exit wait ran to its bound"
+    assert a.scope.state == jobscope.STATE_DISABLED
+    # The rank's own stderr: nothing (the "[c10d] Error processing client message" line is
+    # the store server's, which this test runs in its own process; in a job it is torchrun's).
+    err = [line for line in capfd.readouterr().err.splitlines() if "[c10d]" not in line]
+    assert err == [], err
+    said = [r.getMessage() for r in caplog.records if r.name.startswith("ckptwatch")]
+    assert len(said) == 1 and "job scope disabled" in said[0], said
+    assert "\x1b" not in said[0]
+
+
 def _reference_line(obj: dict) -> bytes:
     # The lines as job scope wrote them before they were formatted from cached parts.
     import json
