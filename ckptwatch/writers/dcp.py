@@ -28,20 +28,16 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-import sys
 
 from ckptwatch import events
 from ckptwatch.writers import record
-from ckptwatch.writers.patch import Patch
+from ckptwatch.writers.patch import Patch, PatchSet
 
 KIND = events.WRITER_DCP
 FILESYSTEM = "torch.distributed.checkpoint.filesystem"
 ASYNC_THREAD = "torch.distributed.checkpoint._async_thread_executor"
 TARGETS = (FILESYSTEM, ASYNC_THREAD)
 
-_active = False
-_patches: dict = {}             # module name -> [Patch]
-_skip: tuple = ()
 
 
 def _writing(mode) -> bool:
@@ -63,10 +59,10 @@ def _make_create_stream(original):
     @contextlib.contextmanager
     def create_stream(self, path, mode):
         started = None
-        if _active and _writing(mode) and not record.busy():
+        if _set.active and _writing(mode) and not record.busy():
             target = _local_path(path)
             if target is not None:
-                started = record.begin(target, KIND, _skip)
+                started = record.begin(target, KIND, _set.skip)
         if started is None:
             with original(self, path, mode) as stream:
                 yield stream
@@ -97,10 +93,10 @@ def _metadata_path(writer) -> str | None:
 def _make_finish(original):
     @functools.wraps(original)
     def finish(self, *args, **kwargs):
-        if not _active or record.busy():
+        if not _set.active or record.busy():
             return original(self, *args, **kwargs)
         target = _metadata_path(self)
-        started = record.begin(target, KIND, _skip) if target else None
+        started = record.begin(target, KIND, _set.skip) if target else None
         if started is None:
             return original(self, *args, **kwargs)
         try:
@@ -117,8 +113,8 @@ def _make_handoff(original):
     """write_data / execute_save: hand the caller's site to the threads that will write."""
     @functools.wraps(original)
     def handing_off(*args, **kwargs):
-        if _active:
-            record.handoff(_skip)
+        if _set.active:
+            record.handoff(_set.skip)
         return original(*args, **kwargs)
     return handing_off
 
@@ -134,25 +130,16 @@ def _patches_for(module_name: str, module) -> list:
     return []
 
 
+_set = PatchSet(_patches_for, ("torch",))
+
+
 def install(module_name: str = FILESYSTEM) -> bool:
-    global _active, _skip
-    module = sys.modules.get(module_name)
-    if module is None:
-        return False
-    patches = _patches.get(module_name)
-    if patches is None:
-        patches = _patches[module_name] = _patches_for(module_name, module)
-    _skip = tuple(d for d in (record.library_dir("torch"),) if d)
-    patched = any([p.install() for p in patches])
-    _active = True
-    return patched
+    return _set.install(module_name)
 
 
 def uninstall() -> bool:
-    global _active
-    _active = False
-    return any([p.uninstall() for patches in _patches.values() for p in patches])
+    return _set.uninstall()
 
 
 def is_installed() -> bool:
-    return _active and any(p.is_ours() for patches in _patches.values() for p in patches)
+    return _set.is_installed()

@@ -25,20 +25,16 @@ from __future__ import annotations
 
 import functools
 import os
-import sys
 
 from ckptwatch import events
 from ckptwatch.writers import record
-from ckptwatch.writers.patch import Patch
+from ckptwatch.writers.patch import Patch, PatchSet
 
 KIND = events.WRITER_FSSPEC
 TARGETS = ("fsspec.implementations.local",)
 CHECKPOINT_SUFFIXES = (".ckpt", ".pt", ".pth", ".bin", ".safetensors", ".distcp")
 _SLOT = "_ckptwatch_write"          # the opener's write in progress, in its __dict__
 
-_active = False
-_patches: list = []
-_skip: tuple = ()
 
 
 def _checkpoint_target(path, mode) -> str | None:
@@ -53,10 +49,10 @@ def _make_init(original):
     @functools.wraps(original)
     def __init__(self, path, mode, *args, **kwargs):
         started = None
-        if _active and not record.busy():
+        if _set.active and not record.busy():
             target = _checkpoint_target(path, mode)
             if target is not None:
-                started = record.begin(target, KIND, _skip)
+                started = record.begin(target, KIND, _set.skip)
         if started is None:
             return original(self, path, mode, *args, **kwargs)
         try:
@@ -90,33 +86,27 @@ def _make_end(original, on_autocommit: bool, outcome_ok: str = "ok"):
     return end
 
 
+def _patches_for(module_name: str, module) -> list:
+    opener = module.LocalFileOpener
+    return [
+        Patch(opener, "__init__", _make_init),
+        Patch(opener, "close", lambda o: _make_end(o, on_autocommit=True)),
+        # `with fs.open(...)` closes the inner file in __exit__, not through close().
+        Patch(opener, "__exit__", lambda o: _make_end(o, on_autocommit=True)),
+        Patch(opener, "commit", lambda o: _make_end(o, on_autocommit=False)),
+        Patch(opener, "discard", lambda o: _make_end(o, on_autocommit=False,
+                                                     outcome_ok="discarded"))]
+
+_set = PatchSet(_patches_for, ("fsspec", "torch"))
+
+
 def install(module_name: str = TARGETS[0]) -> bool:
-    global _active, _skip
-    module = sys.modules.get(module_name)
-    if module is None:
-        return False
-    if not _patches:
-        opener = module.LocalFileOpener
-        _patches.extend([
-            Patch(opener, "__init__", _make_init),
-            Patch(opener, "close", lambda o: _make_end(o, on_autocommit=True)),
-            # `with fs.open(...)` closes the inner file in __exit__, not through close().
-            Patch(opener, "__exit__", lambda o: _make_end(o, on_autocommit=True)),
-            Patch(opener, "commit", lambda o: _make_end(o, on_autocommit=False)),
-            Patch(opener, "discard", lambda o: _make_end(o, on_autocommit=False,
-                                                         outcome_ok="discarded"))])
-    _skip = tuple(d for d in (record.library_dir("fsspec"), record.library_dir("torch"))
-                  if d)
-    patched = any([p.install() for p in _patches])
-    _active = True
-    return patched
+    return _set.install(module_name)
 
 
 def uninstall() -> bool:
-    global _active
-    _active = False
-    return any([p.uninstall() for p in _patches])
+    return _set.uninstall()
 
 
 def is_installed() -> bool:
-    return _active and any(p.is_ours() for p in _patches)
+    return _set.is_installed()

@@ -15,18 +15,14 @@ from __future__ import annotations
 
 import functools
 import os
-import sys
 
 from ckptwatch import events
 from ckptwatch.writers import record
-from ckptwatch.writers.patch import Patch
+from ckptwatch.writers.patch import Patch, PatchSet
 
 KIND = events.WRITER_SAFETENSORS
 TARGETS = ("safetensors.torch",)
 
-_active = False
-_patches: list = []
-_skip: tuple = ()
 
 
 def _target(args, kwargs):
@@ -39,10 +35,10 @@ def _target(args, kwargs):
 def _make(original):
     @functools.wraps(original)
     def save_file(*args, **kwargs):
-        if not _active or record.busy():
+        if not _set.active or record.busy():
             return original(*args, **kwargs)
         path = _target(args, kwargs)
-        started = record.begin(path, KIND, _skip) if path else None
+        started = record.begin(path, KIND, _set.skip) if path else None
         if started is None:
             return original(*args, **kwargs)
         try:
@@ -55,25 +51,19 @@ def _make(original):
     return save_file
 
 
+def _patches_for(module_name: str, module) -> list:
+    return [Patch(module, "save_file", _make)]
+
+_set = PatchSet(_patches_for, ("safetensors", "torch"))
+
+
 def install(module_name: str = TARGETS[0]) -> bool:
-    global _active, _skip
-    module = sys.modules.get(module_name)
-    if module is None:
-        return False
-    if not _patches:
-        _patches.append(Patch(module, "save_file", _make))
-    _skip = tuple(d for d in (record.library_dir("safetensors"), record.library_dir("torch"))
-                  if d)
-    patched = any([p.install() for p in _patches])
-    _active = True
-    return patched
+    return _set.install(module_name)
 
 
 def uninstall() -> bool:
-    global _active
-    _active = False
-    return any([p.uninstall() for p in _patches])
+    return _set.uninstall()
 
 
 def is_installed() -> bool:
-    return _active and any(p.is_ours() for p in _patches)
+    return _set.is_installed()
