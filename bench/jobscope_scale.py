@@ -172,7 +172,10 @@ class KeyPeak(threading.Thread):
 
     def run(self) -> None:
         while not self.halt.is_set():
-            self.peak = max(self.peak, self.store.num_keys())
+            try:
+                self.peak = max(self.peak, self.store.num_keys())
+            except Exception:           # the server stopped at the end of the run
+                return
             time.sleep(0.1)
 
     def take(self) -> int:
@@ -195,6 +198,8 @@ def main(argv=None) -> int:
     ap.add_argument("--loops", type=int, default=2)
     ap.add_argument("--connect-rate", type=float, default=20.0,
                     help="new connections per second, all processes together")
+    ap.add_argument("--off-off", action="store_true",
+                    help="noise floor: the 'on' phases run with job scope off too (A/A)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     if args.ranks % args.nodes:
@@ -235,6 +240,7 @@ def main(argv=None) -> int:
     def phase(kind: str, step: int, on: bool) -> dict:
         before = stats()
         cpu0 = _cpu_seconds(server.pid)
+        wcpu0 = sum(_cpu_seconds(p.pid) for p, _ in workers)
         peak.take()
         t0 = time.monotonic()
         for _, conn in workers:
@@ -247,7 +253,8 @@ def main(argv=None) -> int:
         ops = {r: after[r]["ops"] - before[r]["ops"] for r in after}
         nbytes = {r: after[r]["bytes"] - before[r]["bytes"] for r in after}
         return {"kind": kind, "on": on, "t0": t0, "t1": t1, "ops": ops, "bytes": nbytes,
-                "cpu": _cpu_seconds(server.pid) - cpu0, "keys_peak": peak.take(),
+                "cpu": _cpu_seconds(server.pid) - cpu0,
+                "wcpu": sum(_cpu_seconds(p.pid) for p, _ in workers) - wcpu0, "keys_peak": peak.take(),
                 "after": after}
 
     phases = []
@@ -255,7 +262,10 @@ def main(argv=None) -> int:
     for _ in range(args.rounds):
         for on in (False, True):
             step += 1
-            phases.append(phase("ckpt", step, on))
+            # --off-off: the B phases send nothing either; their figures are labelled "on".
+            ph = phase("ckpt", step, on and not args.off_off)
+            ph["on"] = on
+            phases.append(ph)
     bug = phase("bug", step + 1, True)
     lat_conn.send("stop")
     samples = lat_conn.recv()
@@ -273,6 +283,19 @@ def main(argv=None) -> int:
         return statistics.mean(xs) if xs else 0.0, max(xs) if xs else 0, n
 
     off_lat, on_lat = lat(False), lat(True)
+
+    def slow_by_offset(on: bool, limit: float) -> dict:
+        """How many samples slower than `limit` (s) start in each 1 s of the phases: shows
+        which of job scope's bursts (save, end reads, late reads, clean-up) makes the tail."""
+        bins: dict = {}
+        for p in phases:
+            if p["on"] != on:
+                continue
+            for t, dt in samples:
+                if p["t0"] <= t < p["t1"] and dt > limit:
+                    b = int(t - p["t0"])
+                    bins[b] = bins.get(b, 0) + 1
+        return dict(sorted(bins.items()))
     writers = [r for r in bug["after"] if (r % per_node) == 0]
     got_all = sum(bug["after"][r]["remote"] >= args.nodes - 1 for r in writers)
     guard = sum("local_rank_guard" in bug["after"][r]["hazards"] for r in writers if r)
@@ -296,6 +319,12 @@ def main(argv=None) -> int:
         "job_latency_ms": {"off": {"p50": off_lat[0], "p99": off_lat[1], "n": off_lat[2]},
                            "on": {"p50": on_lat[0], "p99": on_lat[1], "n": on_lat[2]},
                            "p99_ratio": on_lat[1] / off_lat[1] if off_lat[1] else None},
+        "slow_by_second": {"limit_ms": off_lat[1],
+                           "off": slow_by_offset(False, off_lat[1] / 1e3),
+                           "on": slow_by_offset(True, off_lat[1] / 1e3)},
+        "worker_cpu_s_per_ckpt": {"off": statistics.mean(p["wcpu"] for p in phases
+                                                         if not p["on"]),
+                                  "on": statistics.mean(p["wcpu"] for p in ckpt_on)},
         "bug": {"writers": len(writers), "saw_every_other_writer": got_all,
                 "local_rank_guard": guard, "ops_per_writer": statistics.mean(
                     bug["ops"][r] for r in writers)},
@@ -319,6 +348,12 @@ def main(argv=None) -> int:
     cpu = result["server_cpu_s_per_ckpt"]
     print(f"store server CPU per checkpoint phase: off {cpu['off']:.2f} s, on {cpu['on']:.2f} s;"
           f" bug phase {cpu['bug']:.2f} s")
+    print(f"simulated ranks' CPU per checkpoint phase (all processes): off "
+          f"{result['worker_cpu_s_per_ckpt']['off']:.2f} s, on "
+          f"{result['worker_cpu_s_per_ckpt']['on']:.2f} s")
+    sb = result["slow_by_second"]
+    print(f"samples slower than the off p99 ({sb['limit_ms']:.2f} ms) by second of the phase: "
+          f"off {sb['off']}, on {sb['on']}")
     keys = result["keys_peak"]
     print(f"keys at peak: off {keys['off']}, on {keys['on']}, bug {keys['bug']}")
     jl = result["job_latency_ms"]

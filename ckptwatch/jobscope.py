@@ -30,9 +30,9 @@ Reads (each a GET of one path's log, the only reads job scope makes):
   until a window after the latest end of the chain of writes linked to ours (jobkeys.linked;
   at most until clean-up): about log2(window / POLL_FIRST) reads, not one per poll tick;
 - on a path that names our rank or node, once more a window after our end (spread over
-  READ_SPREAD): nobody else is expected to write it, but a rank that does within the window is
-  a redundant write (the `model_{local_rank}.pt` bug on shared storage) our agent must hear of;
-  a watch from there if that read finds one;
+  READ_SPREAD, at most a quarter window): nobody else is expected to write it, but a rank that
+  does within the window is a redundant write (the `model_{local_rank}.pt` bug on shared
+  storage) our agent must hear of; a watch from there if that read finds one;
 - at exit (below), and once 2 windows after our end, to delete (or compact) the log when every
   write in it is that old.
 So a rank makes, per write: 2 APPENDs + 2 GETs + 2 for clean-up, plus at most
@@ -100,9 +100,13 @@ MAX_OWN = 4096              # own writes followed at once; beyond, announced but
 POLL_FIRST = 0.25           # first re-read of a path others may write, then doubling
 FOLLOW_FIRST, FOLLOW_MAX = 0.05, 1.0     # re-reads while a group holding ours is open
 CLEAN_AFTER = 2.0           # windows after our end before the log may be deleted
-READ_SPREAD = 0.5           # seconds: the end's read of a path no other rank is expected to
-                            # write is spread over this (a thousand ranks end a checkpoint
-                            # together: their reads must not reach the store as one burst)
+READ_SPREAD = 2.0           # seconds: the end's read of a path no other rank is expected to
+                            # write, and its read a window later, are spread over this (a
+                            # thousand ranks end a checkpoint together: their reads must not
+                            # reach the store as one burst); below the agent's job_settle
+                            # (3 s), which keeps a job's redundant chain open for that read;
+                            # at most a quarter of the window, so the end's read still comes
+                            # early in the window it looks into
 COMPACT_BYTES = 16384       # a log longer than this sheds its stale head when cleaned
 READ_BUDGET = 8 << 20       # bytes one read may pull and throw away (an oversized value)
 EXIT_COUNT_LIMIT = 32       # bytes of the exit count's value we read
@@ -157,6 +161,7 @@ class JobScope:
         self.host, self.port = host, int(port)
         self.ident = dict(ident)
         self.window = float(window)
+        self._spread = min(READ_SPREAD, self.window / 4)
         self.prefix = run_prefix(ident)
         self._connect_budget, self._op_timeout = connect_budget, op_timeout
         self._exit_wait = exit_wait
@@ -205,7 +210,10 @@ class JobScope:
                                             start_line(ident, seq, code, line, wall,
                                                        writer)))
             self._notes.append(("s", pending))
-            if self._idle:
+            if self._frames and self._idle:
+                # Only a queued line needs the thread now; the start's note waits for the
+                # end's wake-up (a thousand ranks starting a checkpoint together do not wake
+                # a thousand threads for nothing).
                 self._wake.set()
         except Exception:
             self.counters["errors"] += 1
@@ -415,7 +423,7 @@ class JobScope:
             + random.uniform(0.0, 0.25 * self.window)
         if self.state == STATE_ACTIVE:
             now = self._clock()
-            self._schedule(own, now if own.watched else now + random.uniform(0.0, READ_SPREAD))
+            self._schedule(own, now if own.watched else now + random.uniform(0.0, self._spread))
         else:
             # No store (yet, or any more): the one rule that needs none, on our write alone.
             self._judge_guard(own, self._logged_self(own), [])
@@ -461,7 +469,7 @@ class JobScope:
             # must hear of (the agent keeps such a chain open a job settle past the window).
             # One more read then, spread like the end's, instead of a watch.
             own.looked_late = True
-            return max(now, own.em + self.window) + random.uniform(0.0, READ_SPREAD)
+            return max(now, own.em + self.window) + random.uniform(0.0, self._spread)
         return own.clean_at
 
     def _logged_self(self, own: _Own) -> LoggedWrite:
