@@ -489,9 +489,9 @@ elif what in ("fake-start", "fake-end"):
                "path": path, "site": site, "func": ESC + "f", "shared": "nfs",
                "sw": now - 1.0, "ew": end, "ts": None, "te": None, "bytes": 100,
                "outcome": "ok" if end else None}
-        # Ended already, 30 s in the future (walls decide without tickets): the rank reports
+        # Ended already, 3 s in the future (walls decide without tickets): the rank reports
         # it at its first read, while the agent still holds the rank's own write.
-        rec.update(ew=now + 30.0, outcome="ok")
+        rec.update(ew=now + 3.0, outcome="ok")
         if end is None:
             store.set(f"{base}/n", "1000")  # the ranks' slots come after ours
         store.set(f"{base}/1000", json.dumps(rec))
