@@ -71,7 +71,7 @@ import time
 
 from ckptwatch import emitter as _emitter_mod
 from ckptwatch import jobhazards
-from ckptwatch.events import SCHEMA_VERSION, store_address_valid
+from ckptwatch.events import SCHEMA_VERSION, encode, store_address_valid
 from ckptwatch.jobkeys import (LoggedWrite, compacted, end_line, exit_key, group_of,
                                group_open, linked, log_key, parse_log, path_hash,
                                remote_event, run_prefix, start_line, MAX_LOG_BYTES,
@@ -349,8 +349,11 @@ class JobScope:
             self._next_connect = self._clock() + self._backoff
             self._backoff = min(self._backoff * 2, BACKOFF_MAX)
             return
+        # The announcement goes out before the state turns active: a save made once we are
+        # active may be followed at once by os._exit, and the agent must already know where
+        # to read for this process's writes when it sees the connection hang up.
+        self._send_state(state=STATE_ACTIVE)
         self.state = STATE_ACTIVE
-        self._send_state()
 
     def _disable(self, reason: str) -> None:
         if self.state == STATE_DISABLED:
@@ -363,14 +366,15 @@ class JobScope:
                     "on)", os.getpid(), reason)
         self._send_state()
 
-    def _send_state(self, settled: bool = False) -> None:
+    def _send_state(self, settled: bool = False, state: str | None = None) -> None:
         ident = self.ident
+        state = state or self.state
         event = {"v": SCHEMA_VERSION, "type": "jobscope", "node": ident["node"],
-                 "pid": os.getpid(), "state": self.state, "reason": self.reason,
+                 "pid": os.getpid(), "state": state, "reason": self.reason,
                  "rank": ident.get("rank"), "job": ident.get("job"),
                  "master": ident.get("master"), "restart": ident.get("restart"),
                  "wall": self._wall()}
-        if self.state == STATE_ACTIVE and store_address_valid(self.host, self.port):
+        if state == STATE_ACTIVE and store_address_valid(self.host, self.port):
             # Where the agent reads for our writes should we die without reading them
             # (monitor/agent/storereader.py); an address it would refuse is not sent.
             event["store_host"], event["store_port"] = self.host, self.port
@@ -379,8 +383,15 @@ class JobScope:
         self._emit(event)
 
     def _emit(self, event: dict) -> None:
+        # Written to the agent's socket now, as a save's frame is (emitter.record), not left
+        # in the sender's queue: a process that exits right after its save through os._exit
+        # would take a queued announcement with it, and the agent, not knowing this process
+        # used job scope, would not read the store for its writes when it hangs up.
         try:
-            (self._emit_fn or _emitter_mod.get_emitter().emit)(event)
+            if self._emit_fn is not None:
+                self._emit_fn(event)
+            else:
+                _emitter_mod.get_emitter().record(encode(event))
         except Exception:
             self.counters["errors"] += 1
 

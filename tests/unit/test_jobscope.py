@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import threading
 import time
 
@@ -17,8 +19,9 @@ import pytest
 from ckptwatch import jobscope
 from ckptwatch.jobkeys import (compacted, end_line, group_of, group_open, linked, log_key,
                                parse_log, path_hash, place_remote, run_prefix, start_line)
-from helpers import free_port, wait_for
+from helpers import REPO_ROOT, free_port, subprocess_env, wait_for
 from jobstore import SHARED, Rank, ident, master_store, torch_key
+from receiver import Receiver
 
 
 # ---- pure parts ---------------------------------------------------------------------------
@@ -471,3 +474,40 @@ def test_start_and_end_lines_read_as_the_dicts_they_stand_for():
              "w": float(f"{wall:.6f}"), "b": size, "o": outcome, "sh": shared}))
     with pytest.raises(ValueError):
         start_line(idents[0], 1, None, None, float("nan"))
+
+
+ANNOUNCE_THEN_EXIT = """
+import os, sys, time
+from ckptwatch import jobscope
+from ckptwatch.sharedfs import SharedPaths
+ident = {"node": "node-a", "pid": os.getpid(), "rank": 0, "local_rank": 0, "world_size": 2,
+         "local_world_size": 1, "node_rank": 0, "job": "job-1", "master": "127.0.0.1:1",
+         "restart": 0}
+scope = jobscope.JobScope("127.0.0.1", int(sys.argv[1]), ident,
+                          shared=SharedPaths({"CKPTWATCH_SHARED_PATHS": "/tmp/x"})).start()
+while scope.state != jobscope.STATE_ACTIVE:
+    time.sleep(0.0005)
+os._exit(0)        # as a rank that saves and leaves at once does: no atexit, no flush
+"""
+
+
+@pytest.mark.torch
+def test_the_announcement_is_in_the_agents_socket_before_the_state_turns_active(sock):
+    # The agent reads the store for a hung-up process's writes only if it has this process's
+    # "jobscope active" announcement (monitor/agent/storereader.py). A rank that saves once
+    # job scope is active and then leaves through os._exit must not take the announcement
+    # with it: it is in the socket before the state turns active. (Found by the cross-node
+    # ground-truth test: one agent never learnt of a writer that exited right after saving.)
+    server = master_store(0)
+    port = server.port
+    with Receiver(sock) as rx:
+        for attempt in range(3):
+            out = subprocess.run([sys.executable, "-c", ANNOUNCE_THEN_EXIT, str(port)],
+                                 env=subprocess_env(CKPTWATCH_SOCKET=sock), cwd=REPO_ROOT,
+                                 capture_output=True, text=True, timeout=60)
+            assert out.returncode == 0, out.stderr
+            wait_for(lambda: len(rx.of_type("jobscope")) > attempt, timeout=5,
+                     message=f"the announcement of exit {attempt + 1}")
+        states = rx.of_type("jobscope")
+        assert [s["state"] for s in states] == ["active"] * 3
+        assert all(s["store_port"] == port for s in states)
