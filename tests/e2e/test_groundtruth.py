@@ -62,7 +62,8 @@ CROSS_NODE_FLAKY = Round(TOGETHER, "shared/x2.pt", (Save(A1, exit=EXIT), Save(B0
 # A1} -- B1's path names its rank (y3.pt, rank 3), so its job scope read the log once at its
 # end and never heard of the later writes; it now reads once more a window after its end.
 CROSS_NODE_DYING = (
-    Round(TOGETHER, "shared/y0.pt", (Save(A0), Save(B0, exit=SIGKILL))),
+    # A0's 4 MiB save outlasts the start skew of a loaded machine, so y0 truly overlaps.
+    Round(TOGETHER, "shared/y0.pt", (Save(A0, MEDIUM), Save(B0, exit=SIGKILL))),
     Round(TOGETHER, "shared/y1.pt", (Save(A1, exit=OS_EXIT), Save(B1, exit=OS_EXIT))),
     Round(SEQUENTIAL, "shared/y3.pt", (Save(B1), Save(A0, delay=1.2, exit=SIGKILL),
                                        Save(A1, delay=1.2))),
@@ -98,7 +99,11 @@ def test_cross_node_saves_right_before_a_process_dies_are_on_every_agent(workdir
     schedule = Schedule(0, dataclasses.replace(PROFILE, rounds=len(rounds)), rounds)
     result = run_trial(schedule, workdir)
     assert result.verdict.ok, "\n".join(result.verdict.mismatches)
-    # Judged on both kinds by both agents: every save of the three rounds is in a collision.
+    # Every round is in a collision on both agents, of the kind the true intervals say (the
+    # verdict above): y3 is a redundant chain; y0 and y1 start together, and y1's two small
+    # saves may truly not overlap on a loaded machine (then redundant, seen 1 run in 12), so
+    # the test counts collisions of either kind and needs at least y0 concurrent.
     for node in PROFILE.nodes:
-        assert result.verdict.scores[(node, "concurrent")].tp == 2, result.verdict.scores
-        assert result.verdict.scores[(node, "redundant")].tp == 1, result.verdict.scores
+        scores = result.verdict.scores
+        assert scores[(node, "concurrent")].tp + scores[(node, "redundant")].tp == 3, scores
+        assert scores[(node, "concurrent")].tp >= 1, scores
