@@ -59,13 +59,23 @@ def _short_saves_anonymous(mode, attribution):
                     "shorter than a poll is over before a /proc scan (fanotify names it)")
 
 
-def torchrun(out: str, mode: str, *, hook_socket: str | None = None) -> str:
+OVERLAPJOB = os.path.join(REPO_ROOT, "tests", "support", "overlapjob.py")
+
+
+def torchrun(out: str, mode: str, *, hook_socket: str | None = None,
+             overlap: bool = False) -> str:
+    """Run demo_job on NPROC ranks; overlap: every rank's save overlaps every other's by
+    construction (tests/support/overlapjob.py), for tests that must see a concurrent collision:
+    under load a rank could otherwise start after another's small save ended."""
     job = f"fs-{mode}-{uuid.uuid4().hex[:6]}"
     env = _clean_env()
     env.update({"CKPTWATCH_JOB": job, "OMP_NUM_THREADS": "1"})
+    program = ["-m", "monitor.cli.demo_job"]
+    if overlap:
+        program = [OVERLAPJOB]
+        env.update({"OVERLAP_DIR": short_tmpdir("cwov"), "OVERLAP_WRITERS": str(NPROC)})
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-           str(NPROC), "-m", "monitor.cli.demo_job", "--out", out, "--save", mode,
-           "--width", "2048"]
+           str(NPROC), *program, "--out", out, "--save", mode, "--width", "2048"]
     if hook_socket:
         cmd = [sys.executable, "-m", "monitor.cli", "run", "--socket", hook_socket, "--"] + cmd
     result = subprocess.run(cmd, env=env, cwd=REPO_ROOT, capture_output=True, text=True,
@@ -83,7 +93,7 @@ def test_every_rank_saving_is_a_collision_seen_by_the_filesystem_alone(watched):
     agent, root, mode, attribution = watched
     _short_saves_anonymous(mode, attribution)
     out = os.path.join(root, "every")
-    job = torchrun(out, "every-rank")
+    job = torchrun(out, "every-rank", overlap=True)
     path = os.path.join(out, "last.pt")
     wait_for(lambda: collisions(agent, path), timeout=30, message="fs collision")
     agent.wait_judged()                   # a second collision for the same save would show now
@@ -134,7 +144,7 @@ def test_with_the_hook_too_one_collision_names_both_sources(watched):
     agent, root, mode, attribution = watched
     _short_saves_anonymous(mode, attribution)
     out = os.path.join(root, "both")
-    torchrun(out, "every-rank", hook_socket=agent.socket)
+    torchrun(out, "every-rank", hook_socket=agent.socket, overlap=True)
     path = os.path.join(out, "last.pt")
     wait_for(lambda: collisions(agent, path), timeout=30, message="collision")
     agent.wait_judged()                   # a second collision for the same save would show now
@@ -255,10 +265,13 @@ def test_a_write_shorter_than_any_scan_is_still_named(watched):
 ATOMIC_SAVE = r"""
 import os, sys, tempfile
 dest = sys.argv[1]
+print("ready", flush=True)
+sys.stdin.readline()                                      # the test says when
 fd, tmp = tempfile.mkstemp(dir=os.path.dirname(dest))     # like safetensors / HF hub
 with os.fdopen(fd, "wb") as f:
     f.write(os.urandom(4096))
 os.replace(tmp, dest)
+print("done", flush=True)
 """
 
 
@@ -277,10 +290,27 @@ def test_atomic_saves_by_two_ranks_are_redundant_never_concurrent():
         with start_agent(workdir, "--collision.settle", "0.5", "--collision.window", "2",
                          "--watch.path", root, "--watch.attribution", "fanotify",
                          "--verify.quiet", "0.3") as agent:
-            for rank in (0, 1):
-                subprocess.run([sys.executable, "-c", ATOMIC_SAVE, dest], check=True,
-                               timeout=30, env={**env, "RANK": str(rank),
-                                                "TORCHELASTIC_RUN_ID": "atomic-job"})
+            # Both processes start first and save on the test's word, one right after the
+            # other: a second process started after the first save could come later than the
+            # 2 s window on a loaded machine (seen at load 13), and rightly be no collision.
+            ranks = [subprocess.Popen([sys.executable, "-c", ATOMIC_SAVE, dest],
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                      env={**env, "RANK": str(rank),
+                                           "TORCHELASTIC_RUN_ID": "atomic-job"})
+                     for rank in (0, 1)]
+            try:
+                assert [p.stdout.readline() for p in ranks] == ["ready\n"] * 2
+                for p in ranks:
+                    p.stdin.write("go\n")
+                    p.stdin.flush()
+                    assert p.stdout.readline() == "done\n"
+                    assert p.wait(timeout=30) == 0
+            finally:
+                for p in ranks:
+                    p.kill()
+                    p.wait()
+                    p.stdin.close()
+                    p.stdout.close()
             (c,) = wait_for(lambda: collisions(agent, dest), timeout=20,
                             message="redundant collision")
             assert c["kind"] == "redundant" and c["sources"] == ["fs"]
