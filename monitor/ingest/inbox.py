@@ -3,11 +3,11 @@ has one queue type between producers and the dispatcher for the same reason): it
 what back-pressure (ingest stops reading) and health (the loop is behind) look at.
 
 The loop waits here, in the agent's main thread, where SIGTERM's handler runs. The wait is a
-threading.Condition's, not queue.SimpleQueue.get(timeout=...): on CPython 3.10-3.12 (fixed in
-3.13) that get never returns, whatever its timeout, when a signal interrupts it and the
-handler (or the wait for the GIL after it) ends past the deadline: it then waits with a
-negative timeout, which is no timeout (tests/unit/test_inbox.py). An agent told to stop then
-waited for an event that never came, and was SIGKILLed (issue 22).
+threading.Condition's, not queue.SimpleQueue.get(timeout=...): on CPython 3.10.13, 3.11.7 and
+3.12.1 (not 3.13.0) that get never returns, whatever its timeout, when a signal interrupts it
+and the handler (or the wait for the GIL before it runs) ends past the deadline: it waits
+again with the negative time left, which is no timeout (tests/unit/test_inbox.py). An idle
+agent told to stop then waited for an event that never came, and was SIGKILLed (issue 22).
 """
 from __future__ import annotations
 
