@@ -55,47 +55,11 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.common import REPO, Agent  # noqa: E402
+from bench.loads import make_frames  # noqa: E402
 from ckptwatch import events  # noqa: E402
 
 KINDS = ("pairs", "ends", "dropped", "hazard", "remote")
 _JOB_SCOPE_KINDS = ("hazard", "remote")
-
-
-def make_frames(kind: str, n_events: int, index: int, pid: int, paths: int) -> list[bytes]:
-    """n_events encoded frames of `kind` from sender `index` (pid): saves over `paths` paths."""
-    frames = []
-    now_wall, now_mono = time.time(), time.monotonic()
-    per_save = 2 if kind == "pairs" else 1
-    for i in range(n_events // per_save):
-        path = f"/bench/sender{index}/ckpt{i % paths}.pt"
-        # Every writer field, as the hook sends them (ckptwatch/events.py).
-        base = {"v": 1, "node": "bench", "pid": pid, "seq": i, "rank": index,
-                "local_rank": index, "world_size": 8, "local_world_size": 8, "node_rank": 0,
-                "job": "bench", "master": None, "restart": 0, "path": path,
-                "site": "bench.py:1", "func": "sender"}
-        t = now_mono + i * 1e-6
-        end = {**base, "type": "end", "wall": now_wall, "mono": t + 5e-7,
-               "start_wall": now_wall, "start_mono": t, "bytes": 4096, "outcome": "ok"}
-        if kind == "pairs":
-            frames.append(events.encode({**base, "type": "start", "wall": now_wall, "mono": t}))
-            frames.append(events.encode(end))
-        elif kind == "ends":
-            frames.append(events.encode(end))
-        elif kind == "dropped":
-            frames.append(events.encode({"v": 1, "type": "dropped", "node": "bench", "pid": pid,
-                                         "count": 1}))
-        elif kind == "hazard":
-            frames.append(events.encode({**base, "type": "hazard", "kind": "local_rank_guard",
-                                         "shared": "mount:nfs4", "wall": now_wall,
-                                         "ranks": [0, 8], "nodes": ["bench", "other"]}))
-        else:
-            frames.append(events.encode({
-                "v": 1, "type": "remote", "node": "bench", "pid": pid, "seq": i, "path": path,
-                "wall": now_wall, "wseq": i, "start_wall": now_wall, "end_wall": now_wall,
-                "start_mono": t, "end_mono": t + 5e-7, "outcome": "ok", "bytes": 4096,
-                "writer": {"node": "other", "pid": 1000 + index, "rank": 8 + index,
-                           "job": "bench"}}))
-    return frames
 
 
 def sender(sock_path: str, args, index: int, go, batch: int = 256) -> None:
