@@ -1,7 +1,8 @@
 """Agent ingest: sustained events/s, agent CPU per event and loss, on the shape of a real node.
 
     python bench/ingest_throughput.py [--senders 8] [--conns 1] [--events 40000] [--paths 1000]
-        [--kind pairs|ends|dropped|hazard|remote] [--hello] [--old CHECKOUT] [--rounds 1]
+        [--kind pairs|ends|dropped|hazard|remote] [--hello] [--old [NAME=]CHECKOUT ...]
+        [--rounds 1]
 
 Starts the real agent, forks --senders processes that each open --conns connections to its
 socket and send --events valid events as fast as the socket accepts them. The default load is
@@ -24,9 +25,13 @@ the agent's per-process cap, 16). --hello starts every connection with a hello a
 acknowledgements and notices (the hook's warn policy).
 
 --old CHECKOUT runs the same load against that checkout's agent (its agent.py with its own
-.venv), alternating old and new --rounds times in one run, and prints the ratios: the way to
-compare two releases on a shared, loaded machine. Both print the agent's CPU per event next to
-events/s: the rate follows whatever share of a core the agent gets, the CPU per event much
+.venv, else this interpreter), alternating old and new --rounds times in one run, and prints
+the ratios: the way to compare two releases on a shared, loaded machine. --old may be given
+more than once (NAME=CHECKOUT names a tree; else "old", or each checkout's directory name
+when there are several): every round runs each tree once, the order rotated from round to
+round, and the summary gives each tree's medians and new's ratio to each, overall and per
+round (trees of one round ran in the same minute). All print the agent's CPU per event next
+to events/s: the rate follows whatever share of a core the agent gets, the CPU per event much
 less so.
 
 --stage ingest measures the socket server alone (monitor.ingest.server.IngestServer in this
@@ -34,7 +39,7 @@ process, counting validated events): receive, framing, JSON decoding, validation
 
 --profile FILE records the agent with py-spy while it takes the load (py-spy on PATH or
 beside this interpreter; collapsed stacks for a .txt file, else speedscope); with --old, one
-file per tree (FILE-old.txt, FILE-new.txt), first round only.
+file per tree (FILE-old.txt, FILE-new.txt: FILE-NAME for each tree), first round only.
 """
 from __future__ import annotations
 
@@ -50,47 +55,11 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.common import REPO, Agent  # noqa: E402
+from bench.loads import make_frames  # noqa: E402
 from ckptwatch import events  # noqa: E402
 
 KINDS = ("pairs", "ends", "dropped", "hazard", "remote")
 _JOB_SCOPE_KINDS = ("hazard", "remote")
-
-
-def make_frames(kind: str, n_events: int, index: int, pid: int, paths: int) -> list[bytes]:
-    """n_events encoded frames of `kind` from sender `index` (pid): saves over `paths` paths."""
-    frames = []
-    now_wall, now_mono = time.time(), time.monotonic()
-    per_save = 2 if kind == "pairs" else 1
-    for i in range(n_events // per_save):
-        path = f"/bench/sender{index}/ckpt{i % paths}.pt"
-        # Every writer field, as the hook sends them (ckptwatch/events.py).
-        base = {"v": 1, "node": "bench", "pid": pid, "seq": i, "rank": index,
-                "local_rank": index, "world_size": 8, "local_world_size": 8, "node_rank": 0,
-                "job": "bench", "master": None, "restart": 0, "path": path,
-                "site": "bench.py:1", "func": "sender"}
-        t = now_mono + i * 1e-6
-        end = {**base, "type": "end", "wall": now_wall, "mono": t + 5e-7,
-               "start_wall": now_wall, "start_mono": t, "bytes": 4096, "outcome": "ok"}
-        if kind == "pairs":
-            frames.append(events.encode({**base, "type": "start", "wall": now_wall, "mono": t}))
-            frames.append(events.encode(end))
-        elif kind == "ends":
-            frames.append(events.encode(end))
-        elif kind == "dropped":
-            frames.append(events.encode({"v": 1, "type": "dropped", "node": "bench", "pid": pid,
-                                         "count": 1}))
-        elif kind == "hazard":
-            frames.append(events.encode({**base, "type": "hazard", "kind": "local_rank_guard",
-                                         "shared": "mount:nfs4", "wall": now_wall,
-                                         "ranks": [0, 8], "nodes": ["bench", "other"]}))
-        else:
-            frames.append(events.encode({
-                "v": 1, "type": "remote", "node": "bench", "pid": pid, "seq": i, "path": path,
-                "wall": now_wall, "wseq": i, "start_wall": now_wall, "end_wall": now_wall,
-                "start_mono": t, "end_mono": t + 5e-7, "outcome": "ok", "bytes": 4096,
-                "writer": {"node": "other", "pid": 1000 + index, "rank": 8 + index,
-                           "job": "bench"}}))
-    return frames
 
 
 def sender(sock_path: str, args, index: int, go, batch: int = 256) -> None:
@@ -172,10 +141,10 @@ def run_agent(args, ctx, tree: str, profile: str | None = None) -> dict:
             "us_per_event": agent_cpu / max(received + rejected, 1) * 1e6}
 
 
-def profile_file(profile: str | None, name: str, old: str | None) -> str | None:
+def profile_file(profile: str | None, name: str, old) -> str | None:
     """Where to write the py-spy record of tree `name`: the file given, or with --old one
     file per tree (name-old.txt, name-new.txt)."""
-    if profile is None or old is None:
+    if profile is None or not old:
         return profile
     stem, ext = os.path.splitext(profile)
     return f"{stem}-{name}{ext}"
@@ -231,6 +200,40 @@ def ingest_only(args, ctx) -> int:
     return 0 if count[0] == total else 1
 
 
+def old_trees(olds: list) -> list:
+    """(name, checkout) of each --old: NAME=CHECKOUT, else "old" for a single one, else the
+    checkout's directory name."""
+    trees = []
+    for spec in olds:
+        name, sep, tree = spec.partition("=")
+        if not sep:
+            tree = spec
+            name = "old" if len(olds) == 1 else os.path.basename(os.path.normpath(spec))
+        if name == "new" or name in (n for n, _ in trees):
+            raise SystemExit(f"--old: tree name {name!r} used twice (or is 'new')")
+        trees.append((name, tree))
+    return trees
+
+
+def summarise(results: dict, rounds: int) -> None:
+    """Each tree's medians, and new's ratio to every other tree: of the medians and per round
+    (the runs of one round took the same minute of the machine)."""
+    import statistics
+    rate = {n: statistics.median(r["rate"] for r in rs) for n, rs in results.items()}
+    cpu = {n: statistics.median(r["us_per_event"] for r in rs) for n, rs in results.items()}
+    print(f"median of {rounds}: " + "; ".join(
+        f"{n} {rate[n]:,.0f} events/s, {cpu[n]:.1f} us/event" for n in results))
+    new = results["new"]
+    for name, rs in results.items():
+        if name == "new":
+            continue
+        per_round = ", ".join(f"{a['rate'] / b['rate']:.2f}/{a['us_per_event'] / b['us_per_event']:.2f}"
+                              for a, b in zip(new, rs))
+        print(f"new/{name}: rate {rate['new'] / rate[name]:.2f}x, CPU per event "
+              f"{cpu['new'] / cpu[name]:.2f}x (medians); per round rate/CPU: {per_round}")
+    print(f"load average now {os.getloadavg()[0]:.1f}")
+
+
 def describe(r: dict, label: str) -> str:
     return (f"{label:>4}: {r['rate']:>9,.0f} events/s  {r['us_per_event']:6.1f} us agent CPU/event"
             f"  ({r['cpu'] / r['elapsed']:.0%} of a core)  received {r['received']}, rejected "
@@ -247,7 +250,8 @@ def main(argv=None) -> int:
     ap.add_argument("--kind", choices=KINDS, default="pairs")
     ap.add_argument("--hello", action="store_true",
                     help="start each connection with a hello asking for acks and notices")
-    ap.add_argument("--old", help="an old checkout to measure side by side")
+    ap.add_argument("--old", action="append", default=[], metavar="[NAME=]CHECKOUT",
+                    help="an old checkout to measure side by side (repeatable)")
     ap.add_argument("--rounds", type=int, default=1, help="alternations of old and new")
     ap.add_argument("--profile", help="py-spy the agent(s) into this file (see above)")
     ap.add_argument("--timeout", type=float, default=180.0)
@@ -265,24 +269,20 @@ def main(argv=None) -> int:
           f"{args.kind} events each over {args.paths} paths ({total} events), hello "
           f"{'yes' if args.hello else 'no'}; {os.cpu_count()} CPUs, load average "
           f"{os.getloadavg()[0]:.1f}")
-    trees = ([("old", args.old)] if args.old else []) + [("new", REPO)]
+    trees = old_trees(args.old) + [("new", REPO)]
     results: dict[str, list] = {name: [] for name, _ in trees}
     ok = True
     for round_ in range(args.rounds):
-        for name, tree in trees:
+        # Rotated each round: no tree always runs first (the machine's warm-up) or last.
+        shift = round_ % len(trees)
+        for name, tree in trees[shift:] + trees[:shift]:
             r = run_agent(args, ctx, tree, profile_file(args.profile, name, args.old)
                           if round_ == 0 else None)
             results[name].append(r)
             ok = ok and r["lost"] == 0
             print(describe(r, name), flush=True)
     if args.old:
-        import statistics
-        rate = {n: statistics.median(r["rate"] for r in rs) for n, rs in results.items()}
-        cpu = {n: statistics.median(r["us_per_event"] for r in rs) for n, rs in results.items()}
-        print(f"median of {args.rounds}: old {rate['old']:,.0f} events/s, "
-              f"{cpu['old']:.1f} us/event; new {rate['new']:,.0f} events/s, {cpu['new']:.1f} us/event; new/old rate "
-              f"{rate['new'] / rate['old']:.2f}x, CPU per event {cpu['new'] / cpu['old']:.2f}x; "
-              f"load average now {os.getloadavg()[0]:.1f}")
+        summarise(results, args.rounds)
     return 0 if ok else 1
 
 

@@ -323,7 +323,11 @@ class Agent:
         merger, fs = self.merger, self.fs
         node = self.config.node
         hangups = 0
-        handover = self.handover
+        # Looked up once per batch, not per event (issue 22: this loop runs for every event;
+        # _stopping only changes on this thread, in stop(), between batches).
+        handover, book, checks, detector = self.handover, self.book, self.checks, self.detector
+        observe = self.observe
+        stopping = self._stopping
         for event in batch:
             # Everything on our socket comes from a process of this node (ingest checked its
             # pid against the kernel's credentials): the node is ours, whatever the sender
@@ -349,20 +353,20 @@ class Agent:
             # ckptwatch/emitter.py): it names the path and its writer's rights as a start does.
             rights = event.get(RIGHTS)
             uid = getattr(rights, "uid", None)
+            path, pid, seq = event["path"], event["pid"], event["seq"]
             if kind == "start":
-                self.book.write_started(event["path"], (node, event["pid"], event["seq"]), uid)
+                book.write_started(path, (node, pid, seq), uid)
+                if not stopping:
+                    checks.write_started(path, rights)
             else:
-                self.book.write_ended(event["path"], (node, event["pid"], event["seq"]), uid)
-            if not self._stopping:
-                if kind == "start":
-                    self.checks.write_started(event["path"], event.get(RIGHTS))
-                elif not self.detector.is_open(node, event["pid"], event["seq"]):
-                    self.checks.writer_seen(event["path"], event.get(RIGHTS))
+                book.write_ended(path, (node, pid, seq), uid)
+                if not stopping and not detector.is_open(node, pid, seq):
+                    checks.writer_seen(path, rights)
             if fs is not None:
-                fs.add_path(event["path"])
+                fs.add_path(path)
             if merger is not None:
                 merger.hook_event(event)
-            self.observe(event)
+            observe(event)
         self.state.event_received(len(batch) - hangups)
 
     def hung_up(self, event: dict) -> None:

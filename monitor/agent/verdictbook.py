@@ -60,10 +60,16 @@ class VerdictBook:
     # ---- the loop's thread ---------------------------------------------------------------
 
     def _entry(self, path: str) -> _Entry:
-        entry = self._entries.pop(path, None) or _Entry()
-        self._entries[path] = entry          # most recently touched last
-        if len(self._entries) > self.max_paths:
-            self._entries.popitem(last=False)
+        entries = self._entries
+        entry = entries.get(path)
+        if entry is not None:
+            # Most recently touched last. move_to_end, not pop and insert again: every start
+            # and end of a save comes here (issue 22, path reuse).
+            entries.move_to_end(path)
+            return entry
+        entry = entries[path] = _Entry()
+        if len(entries) > self.max_paths:
+            entries.popitem(last=False)
         return entry
 
     def write_started(self, path: str, key: tuple, uid: int | None) -> None:
@@ -76,6 +82,15 @@ class VerdictBook:
                 entry.open[key] = True
 
     def write_ended(self, path: str, key: tuple, uid: int | None = None) -> None:
+        entry = self._entries.get(path)
+        if entry is not None and (uid is None or uid in entry.uids):
+            # Nothing but the pop to do, and that without the lock (issue 22: every save
+            # comes here twice, from its end event and its Write; the lock was most of the
+            # cost): only this thread, the loop's, adds or removes open writes, a pop is one
+            # step a query sees before or after, and an entry evicted meanwhile is simply
+            # no longer consulted. (A lookup of the table is one step as well.)
+            entry.open.pop(key, None)
+            return
         with self._lock:
             entry = self._entries.get(path)
             if entry is None:

@@ -148,6 +148,41 @@ def test_writes_that_came_before_the_jobscope_event_are_read_for():
     assert len(handover._unannounced) == storereader.MAX_UNANNOUNCED
 
 
+def test_a_handed_over_write_names_its_writer_as_its_events_did():
+    """The hand-over keeps each write compactly (storereader: a list, the writer's fields a
+    tuple) and rebuilds the writer's identity for the Follow: every field as its event named
+    it, None for a field the event left out, the node its process claimed (before or after
+    the write). Held to the dict it was built as before (issue 22)."""
+    handed = []
+
+    class Reader:
+        def submit(self, follow):
+            handed.append(follow)
+            return True
+
+    handover = Handover(Reader(), window=2.0, gone=lambda pid: True)
+    full = {"rank": 3, "local_rank": 1, "job": "job-1", "master": "10.0.0.1:29500",
+            "restart": 2}
+    handover.wrote({"type": "start", "pid": 51, "seq": 1, "path": "/s/a.pt", "wall": 100.0,
+                    "mono": 10.0, **full})                  # before the announcement
+    handover.announced(jobscope_event(51), "node-b")
+    handover.wrote({"type": "end", "pid": 51, "seq": 1, "path": "/s/a.pt", "wall": 100.5,
+                    "mono": 10.5, "start_wall": 100.0, "start_mono": 10.0, "outcome": "ok",
+                    "bytes": 9, **full})
+    handover.wrote({"type": "end", "pid": 51, "seq": 2, "path": "/s/b.pt", "wall": 101.5,
+                    "mono": 11.5, "start_wall": 101.0, "start_mono": 11.0,
+                    "outcome": "OSError", "rank": 3})       # a lone end, most fields left out
+    assert handover.hung_up(51, 12.0, 102.0) == 2
+    first, second = sorted(handed, key=lambda f: f.seq)
+    assert first.ident == {"node": "node-b", "pid": 51, **full}
+    assert (first.sw, first.sm, first.ew, first.em, first.outcome, first.size) == \
+        (100.0, 10.0, 100.5, 10.5, "ok", 9)
+    assert second.ident == {"node": "node-b", "pid": 51, "rank": 3, "local_rank": None,
+                            "job": None, "master": None, "restart": None}
+    assert (second.path, second.sw, second.ew, second.outcome, second.size) == \
+        ("/s/b.pt", 101.0, 101.5, "OSError", None)
+
+
 def test_a_write_older_than_two_windows_is_not_read_for():
     """Two windows after its end (clean-up) the process's own job scope reads no more for a
     write; before that it may, a chain going on (a rank SIGTERMed 2.07 s after a save, with

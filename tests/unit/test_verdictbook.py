@@ -165,3 +165,22 @@ def test_a_directory_is_answered_with_its_worst_file(tmp_path):
     assert known.state == verdicts.CORRUPT and known.reason.startswith("__0_0.distcp: ")
     assert known.identity is None
     assert ask(book, str(directory), OTHER).state == verdicts.UNKNOWN
+
+
+def test_an_end_names_its_writers_user_whether_or_not_the_start_did(tmp_path):
+    """write_ended takes a shortcut when it has nothing to add but the end of the write
+    (issue 22); an end whose user the book does not know yet still records that user: a short
+    save's lone end, and an end by another user of a path whose start this one made."""
+    book = VerdictBook()
+    path, lone = file(tmp_path), file(tmp_path, "lone.pt")
+    book.write_started(path, ("n1", 11, 1), ME.uid)
+    book.write_ended(path, ("n1", 11, 1), ME.uid)         # the shortcut: ME already known
+    book.write_ended(path, ("n1", 12, 1), OTHER.uid)      # OTHER is new: recorded
+    book.collided(path, "c0ffee", WRITERS)
+    assert ask(book, path, OTHER).state == verdicts.COLLISION
+    assert ask(book, path, ME).state == verdicts.COLLISION
+    book.write_ended(lone, ("n1", 13, 1), OTHER.uid)      # no start: the end makes the entry
+    book.collided(lone, "5eed", WRITERS)
+    assert ask(book, lone, OTHER).state == verdicts.COLLISION
+    third = types.SimpleNamespace(uid=4343)
+    assert ask(book, lone, third).state == verdicts.UNKNOWN   # not that user's file
