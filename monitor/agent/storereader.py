@@ -201,16 +201,12 @@ class Handover:
             try:
                 ident = _ident_of(event)        # one C call when every field is there
             except KeyError:
-                get = event.get
-                ident = (pid, get("rank"), get("local_rank"), get("job"), get("master"),
-                         get("restart"))
+                ident = tuple(map(event.get, _IDENT_FIELDS[1:]))
             if kind == "start":
-                w = [event["wall"], event["mono"], event["path"], None, None, None, None,
-                     node, ident]
+                sw, sm = event["wall"], event["mono"]
             else:
-                w = [event["start_wall"], event["start_mono"], event["path"], None, None, None,
-                     None, node, ident]
-            writes[seq] = w
+                sw, sm = event["start_wall"], event["start_mono"]
+            w = writes[seq] = [sw, sm, event["path"], None, None, None, None, node, ident]
             while len(writes) > MAX_WRITES_PER_PROC:
                 writes.popitem(last=False)
         if kind == "end":
@@ -236,8 +232,8 @@ class Handover:
                 # Its own job scope would no longer read for it. (Within a window of its end it
                 # would; up to clean-up, if a chain went on: one read here tells which.)
                 continue
-            follow = Follow(proc["store"], dict(zip(_IDENT_FIELDS, (node, *ident))), seq, path, sw, sm,
-                            ew, em, outcome, size, self._window)
+            follow = Follow(proc["store"], dict(zip(_IDENT_FIELDS, (node, *ident))), seq, path,
+                            sw, sm, ew, em, outcome, size, self._window)
             if self._reader.submit(follow):
                 handed += 1
         self.handed_over += handed

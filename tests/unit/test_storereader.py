@@ -65,15 +65,25 @@ def test_settled_is_a_boolean_or_nothing(settled):
     assert validate(jobscope_event(1234, settled=True))["settled"] is True
 
 
+class _RecordingReader:
+    """A StoreReader stand-in that takes every Follow handed to it."""
+
+    def __init__(self):
+        self.handed = []
+
+    def submit(self, follow):
+        self.handed.append(follow)
+        return True
+
+
+def recording_handover(gone, window: float = 2.0) -> tuple:
+    """(a Handover, the list of Follows it hands over)."""
+    reader = _RecordingReader()
+    return Handover(reader, window=window, gone=gone), reader.handed
+
+
 def test_the_hand_over_keeps_no_address_it_would_not_connect_to():
-    handed = []
-
-    class Reader:
-        def submit(self, follow):
-            handed.append(follow)
-            return True
-
-    handover = Handover(Reader(), window=2.0, gone=lambda pid: True)
+    handover, handed = recording_handover(lambda pid: True)
     # Not validated on the way in (a test calling it directly): the hand-over checks again.
     for pid, host, port in ((11, "bad host", 1), (12, "127.0.0.1", 70000), (13, None, None)):
         handover.announced(jobscope_event(pid, host, port), "node-a")
@@ -86,15 +96,8 @@ def test_the_hand_over_keeps_no_address_it_would_not_connect_to():
 # ---- who is read for -----------------------------------------------------------------------
 
 def test_only_a_gone_process_that_did_not_settle_is_read_for():
-    handed = []
-
-    class Reader:
-        def submit(self, follow):
-            handed.append(follow)
-            return True
-
     gone = {21: True, 22: False, 23: True}
-    handover = Handover(Reader(), window=2.0, gone=gone.__getitem__)
+    handover, handed = recording_handover(gone.__getitem__)
     for pid in gone:
         handover.announced(jobscope_event(pid), "node-a")
         handover.wrote({"type": "start", "pid": pid, "seq": 1, "path": "/s/a.pt",
@@ -122,14 +125,7 @@ def test_writes_that_came_before_the_jobscope_event_are_read_for():
     reach the agent first (then the process os._exits): those writes are kept for the
     announcement, bounded, and handed over like the others (they were dropped: the other
     node's write was never learnt, tests/e2e/test_groundtruth.py y1 under load)."""
-    handed = []
-
-    class Reader:
-        def submit(self, follow):
-            handed.append(follow)
-            return True
-
-    handover = Handover(Reader(), window=2.0, gone=lambda pid: True)
+    handover, handed = recording_handover(lambda pid: True)
     handover.wrote({"type": "start", "pid": 41, "seq": 1, "path": "/s/y1.pt",
                     "wall": 100.0, "mono": 10.0})
     handover.wrote({"type": "end", "pid": 41, "seq": 1, "path": "/s/y1.pt", "wall": 100.1,
@@ -153,14 +149,7 @@ def test_a_handed_over_write_names_its_writer_as_its_events_did():
     tuple) and rebuilds the writer's identity for the Follow: every field as its event named
     it, None for a field the event left out, the node its process claimed (before or after
     the write). Held to the dict it was built as before (issue 22)."""
-    handed = []
-
-    class Reader:
-        def submit(self, follow):
-            handed.append(follow)
-            return True
-
-    handover = Handover(Reader(), window=2.0, gone=lambda pid: True)
+    handover, handed = recording_handover(lambda pid: True)
     full = {"rank": 3, "local_rank": 1, "job": "job-1", "master": "10.0.0.1:29500",
             "restart": 2}
     handover.wrote({"type": "start", "pid": 51, "seq": 1, "path": "/s/a.pt", "wall": 100.0,
@@ -187,14 +176,7 @@ def test_a_write_older_than_two_windows_is_not_read_for():
     """Two windows after its end (clean-up) the process's own job scope reads no more for a
     write; before that it may, a chain going on (a rank SIGTERMed 2.07 s after a save, with
     another node's save 1.2 s after it, in a 2 s window: seed 3 of bench/groundtruth.py)."""
-    handed = []
-
-    class Reader:
-        def submit(self, follow):
-            handed.append(follow)
-            return True
-
-    handover = Handover(Reader(), window=2.0, gone=lambda pid: True)
+    handover, handed = recording_handover(lambda pid: True)
     handover.announced(jobscope_event(31), "node-a")
     handover.wrote({"type": "end", "pid": 31, "seq": 1, "path": "/s/old.pt", "wall": 100.0,
                     "mono": 10.0, "start_wall": 99.0, "start_mono": 9.0, "outcome": "ok"})
@@ -207,14 +189,7 @@ def test_a_write_older_than_two_windows_is_not_read_for():
 def test_what_is_remembered_is_bounded(monkeypatch):
     monkeypatch.setattr(storereader, "MAX_PROCS", 4)
     monkeypatch.setattr(storereader, "MAX_WRITES_PER_PROC", 3)
-    handed = []
-
-    class Reader:
-        def submit(self, follow):
-            handed.append(follow)
-            return True
-
-    handover = Handover(Reader(), window=60.0, gone=lambda pid: True)
+    handover, handed = recording_handover(lambda pid: True, window=60.0)
     for pid in range(1, 11):
         handover.announced(jobscope_event(pid), "node-a")
         for seq in range(1, 9):
