@@ -12,7 +12,7 @@ import uuid
 import pytest
 
 from agentproc import start_agent
-from helpers import REPO_ROOT, remove_tree, short_tmpdir, wait_for
+from helpers import REPO_ROOT, overlapping, remove_tree, short_tmpdir, wait_for
 
 pytest.importorskip("torch")
 pytest.importorskip("watchdog")
@@ -59,9 +59,6 @@ def _short_saves_anonymous(mode, attribution):
                     "shorter than a poll is over before a /proc scan (fanotify names it)")
 
 
-OVERLAPJOB = os.path.join(REPO_ROOT, "tests", "support", "overlapjob.py")
-
-
 def torchrun(out: str, mode: str, *, hook_socket: str | None = None,
              overlap: bool = False) -> str:
     """Run demo_job on NPROC ranks; overlap: every rank's save overlaps every other's by
@@ -72,8 +69,8 @@ def torchrun(out: str, mode: str, *, hook_socket: str | None = None,
     env.update({"CKPTWATCH_JOB": job, "OMP_NUM_THREADS": "1"})
     program = ["-m", "monitor.cli.demo_job"]
     if overlap:
-        program = [OVERLAPJOB]
-        env.update({"OVERLAP_DIR": short_tmpdir("cwov"), "OVERLAP_WRITERS": str(NPROC)})
+        program, overlap_env = overlapping(NPROC)
+        env.update(overlap_env)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
            str(NPROC), *program, "--out", out, "--save", mode, "--width", "2048"]
     if hook_socket:

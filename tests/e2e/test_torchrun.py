@@ -14,7 +14,7 @@ import uuid
 import pytest
 
 from agentproc import start_agent
-from helpers import REPO_ROOT, remove_tree, short_tmpdir, wait_for
+from helpers import REPO_ROOT, overlapping, remove_tree, short_tmpdir, wait_for
 
 torch = pytest.importorskip("torch")
 
@@ -22,7 +22,6 @@ pytestmark = pytest.mark.torch
 
 NPROC = 4
 SETTLE = 0.5
-OVERLAPJOB = os.path.join(REPO_ROOT, "tests", "support", "overlapjob.py")
 
 
 @pytest.fixture(scope="module")
@@ -31,12 +30,6 @@ def agent():
     with start_agent(workdir, "--collision.settle", str(SETTLE), "--verify.quiet", "0.5") as proc:
         yield proc
     remove_tree(workdir)
-
-
-def overlapping(writers: int) -> tuple[list, dict]:
-    """(program, env) for demo_job whose `writers` writers overlap by construction
-    (tests/support/overlapjob.py), for tests that need a concurrent collision, not a race."""
-    return [OVERLAPJOB], {"OVERLAP_DIR": short_tmpdir("cwov"), "OVERLAP_WRITERS": str(writers)}
 
 
 def run_job(agent, mode: str, *, nproc: int = NPROC, extra_env=None, extra_args=(),

@@ -32,6 +32,13 @@ def short_tmpdir(prefix: str = "cw") -> str:
     return tempfile.mkdtemp(prefix=prefix, dir="/tmp")
 
 
+def overlapping(writers: int) -> tuple[list, dict]:
+    """(program, env) for demo_job whose `writers` writers overlap by construction
+    (tests/support/overlapjob.py), for tests that need a concurrent collision, not a race."""
+    program = os.path.join(REPO_ROOT, "tests", "support", "overlapjob.py")
+    return [program], {"OVERLAP_DIR": short_tmpdir("cwov"), "OVERLAP_WRITERS": str(writers)}
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
