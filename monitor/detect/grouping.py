@@ -38,6 +38,7 @@ from typing import Callable
 
 from monitor.detect.model import KIND_CONCURRENT, KIND_REDUNDANT, SCOPE_JOB, SCOPE_NODE, \
     SOURCE_JOB, Collision
+from monitor.detect.placement import place_remote_entries
 from monitor.detect.tracked import INF, Entry, PathState
 
 # A redundant chain that keeps growing (two processes alternating forever) would never close:
@@ -238,6 +239,7 @@ class Grouping:
         settle, window, linger = self._settle, self._window, self._linger
         hold = settle + self._max_hold
         due = INF
+        place_remote_entries(state)      # other nodes' writes decided on the walls
         groups = group_writes(state.entries, in_start_order=not state.nan_start)
         barriers = [] if force else state.barriers
         items = list(heapq.merge(groups, barriers, key=lambda item: item.start)) \
@@ -387,6 +389,7 @@ class Grouping:
     def shed(self, state: PathState, out: list) -> None:
         """Report and forget the oldest finished writes of an overfull path."""
         excess = len(state.entries) - MAX_PATH_WRITES // 2
+        place_remote_entries(state)
         for group in group_writes(state.entries):
             if excess <= 0:
                 break

@@ -396,7 +396,20 @@ def assert_job_collision_on_both(agents, job: str, path: str, kind: str, site_di
         assert {w.get("writer") for w in c["writers"]} == {kind}, c["writers"]
         assert all(w["site"] and w["site"].startswith(site_dir) for w in c["writers"]), \
             [w["site"] for w in c["writers"]]
-    assert found["node-a"][0]["id"] == found["node-b"][0]["id"]
+    # Every agent tells the same story: once both have judged, the same job collisions on
+    # `path`, each with the same id, kind and writers (a later save may make a second one).
+    stories = {}
+
+    def same_story():
+        for node, agent in agents.items():
+            agent.wait_judged()
+            stories[node] = sorted(
+                (c["id"], c["kind"], sorted((w["node"], w["pid"], w["rank"], w.get("seq"))
+                                            for w in c["writers"]))
+                for c in job_collisions_on(agent, job, path))
+        return len({repr(story) for story in stories.values()}) == 1
+
+    wait_for(same_story, timeout=30, message=lambda: f"two stories on {path}: {stories}")
 
 
 def test_transformers_save_on_each_node_weights_are_one_safetensors_write(node_agents):

@@ -747,6 +747,55 @@ def test_a_remote_writes_library_is_kept_bounded(sent, kept):
     assert Write.from_record(remote_write.to_record()).writer_kind == kept
 
 
+def _story(det, clock, timed, until):
+    """Feed (time, event) pairs -- "remote" events through observe_remote -- tick to `until`;
+    the collisions as (kind, id, writes)."""
+    out = []
+    for at, ev in timed:
+        clock.now = at
+        out += det.observe_remote(ev) if ev["type"] == "remote" else det.observe(ev)
+        out += det.tick()
+    t = clock.now
+    while t < until:
+        t += 0.25
+        out += advance(det, clock, t)
+    return sorted((c.kind, c.id, sorted((w.writer.node, w.writer.pid, w.seq) for w in c.writes))
+                  for c in collisions(out))
+
+
+def test_two_agents_holding_the_same_writes_the_other_way_round_tell_one_story():
+    """Node n1's rank saves X [3, 4]; on node n2 one rank saves Z [0, 1], another Y [3.9, 5]
+    (walls of one host: X and Y overlap). Each process's job scope places another node's write
+    against the one write of its own it was read for, on the store log's order, which here
+    says Y started after X ended (Y's start line lagged): X's process reports Y moved after X,
+    Z's process reports X as its walls say (X is after Z either way). Before, n1's agent made
+    a redundant chain Z, X, Y of it and n2's a concurrent collision X, Y (issue 16: a
+    Lightning job on two nodes, two stories). Every pair with another node's write in it is
+    decided on the walls now (monitor.detect.placement): one story, the walls'."""
+    def placed(event, s_mono, e_mono):
+        event["start_mono"], event["end_mono"] = s_mono, e_mono
+        return event
+
+    kw = dict(settle=0.5, job_settle=2.0, window=5.0)
+    clock_a = FakeClock(0.0)
+    story_a = _story(make(clock_a, **kw), clock_a, [
+        (3.0, dist_start(11, 1, 3.0, rank=0)), (4.0, dist_end(11, 1, 4.0, 3.0, rank=0)),
+        (4.05, remote(11, 1, 98, 1, 0.0, 1.0, rank=2)),
+        (5.05, placed(remote(11, 1, 99, 1, 3.9, 5.0, rank=1), 4.0 + 1e-6, 5.0))], until=30.0)
+    clock_b = FakeClock(0.0)
+    story_b = _story(make(clock_b, **kw), clock_b, [
+        (0.0, dist_start(98, 1, 0.0, node="n2", rank=2)),
+        (1.0, dist_end(98, 1, 1.0, 0.0, node="n2", rank=2)),
+        (3.9, dist_start(99, 1, 3.9, node="n2", rank=1)),
+        (4.05, remote(98, 1, 11, 1, 3.0, 4.0, node="n2", wnode="n1", rank=0)),
+        (5.0, dist_end(99, 1, 5.0, 3.9, node="n2", rank=1))], until=30.0)
+    assert story_a == story_b
+    # ... and it is the walls' story: X and Y overlapped; Z alone ahead of them is not a
+    # collision (a concurrent collision breaks a redundant chain).
+    assert [(kind, writes) for kind, _, writes in story_a] == [
+        (KIND_CONCURRENT, [("n1", 11, 1), ("n2", 99, 1)])]
+
+
 def test_remote_writes_need_the_reporters_own_write_of_the_path():
     clock = FakeClock(0.0)
     det = make(clock)

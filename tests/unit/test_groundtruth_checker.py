@@ -161,6 +161,23 @@ def test_cross_node_collision_required_on_every_involved_agent_with_one_id():
     assert any("ids" in m for m in run_check(truth, a, other_id).mismatches)
 
 
+def test_two_agents_each_within_the_tolerance_but_telling_two_stories_is_a_mismatch():
+    """An overlap shorter than the tolerance may be called concurrent or redundant -- but
+    every agent must call it the same (issue 16: a Lightning job, two agents, two stories)."""
+    short = TOLERANCE / 2
+    truth = [tw("s1", 0, 1, node="node-a", path="/shared/x.pt"),
+             tw("s2", 1 - short, 2, node="node-b", path="/shared/x.pt")]
+    concurrent = [collision(CONCURRENT, truth, "j1")]
+    redundant = [collision(REDUNDANT, truth, "j1")]
+    assert run_check(truth, observed("node-a", concurrent, truth),
+                     observed("node-b", concurrent, truth)).ok
+    assert run_check(truth, observed("node-a", redundant, truth),
+                     observed("node-b", redundant, truth)).ok
+    verdict = run_check(truth, observed("node-a", concurrent, truth),
+                        observed("node-b", redundant, truth))
+    assert [m for m in verdict.mismatches if "two stories" in m], verdict.mismatches
+
+
 def test_on_shared_storage_an_uninvolved_agent_may_report_a_true_collision_only():
     truth = [tw("s1", 0, 1, node="node-a", path="/shared/x.pt"),
              tw("s2", 0.5, 2, node="node-a", path="/shared/x.pt")]

@@ -14,6 +14,9 @@ For each agent (one per simulated node) and each path:
   tolerance);
 - every save of the node is journaled as a write, with that outcome;
 - one collision, one id: every agent reporting a collision gives it the same id;
+- one story: two agents' collisions on one path that name a save in common are the same
+  collision (kind, saves, id) -- each agent may match another of the tolerance's
+  alternatives only if no other agent said otherwise about the same saves;
 - /metrics: ckptwatch_collisions_total of the job, per kind, equals the journal's count.
 
 Mismatches are plain strings naming the seed, the agent, the path and what differs.
@@ -153,7 +156,30 @@ def check(truth: list[TrueWrite], observed: list[Observed], shared: callable,
         if len(set(per_node.values())) > 1:
             verdict.mismatches.append(f"{label}{path}: one {kind} collision "
                                       f"{sorted(saves)} has ids {per_node}")
+    verdict.mismatches += [label + text for text in _two_stories(observed, truth)]
     return verdict
+
+
+def _two_stories(observed: list[Observed], truth: list[TrueWrite]) -> list[str]:
+    """Pairs of agents whose collisions on a path share a save but differ in kind, saves or
+    id (design.md: every agent tells the same story)."""
+    told: dict = defaultdict(dict)       # path -> node -> {(kind, saves, id)}
+    for obs in observed:
+        for rec in obs.collisions:
+            saves = frozenset(w.save for w in (save_of(e, truth) for e in rec["writers"])
+                              if w is not None)
+            told[rec["path"]].setdefault(obs.node, set()).add((rec["kind"], saves, rec["id"]))
+    out = []
+    for path, by_node in told.items():
+        nodes = sorted(by_node)
+        for i, a in enumerate(nodes):
+            for b in nodes[i + 1:]:
+                for ca in by_node[a]:
+                    for cb in by_node[b]:
+                        if ca != cb and ca[1] & cb[1]:
+                            out.append(f"{path}: two stories, {a} {ca[0]} {sorted(ca[1])} "
+                                       f"{ca[2]}, {b} {cb[0]} {sorted(cb[1])} {cb[2]}")
+    return out
 
 
 def _score(node: str, path: str, alt: frozenset, got: list, shared: bool, by_save):
