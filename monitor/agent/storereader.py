@@ -43,7 +43,6 @@ import heapq
 import itertools
 import logging
 import operator
-import os
 import queue
 import threading
 import time

@@ -18,10 +18,9 @@ import time
 import pytest
 
 from ckptwatch.events import EventError, REJECT_INCOMPLETE, validate
-from ckptwatch.jobkeys import (end_line, log_key, parse_log, path_hash, run_prefix,
-                               start_line)
+from ckptwatch.jobkeys import log_key, parse_log, path_hash, run_prefix
 from helpers import free_port, wait_for
-from jobstore import SHARED, Rank, ident, torch_key
+from jobstore import SHARED, Rank, torch_key
 from monitor.agent import storereader
 from monitor.agent.storereader import Handover, StoreReader, process_gone
 
