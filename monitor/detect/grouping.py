@@ -25,8 +25,9 @@ breaks chains for `max(window, settle)`. At most MAX_PATH_WRITES writes per path
 overlapping writes sheds its oldest finished writes as a collision), at most MAX_CHAIN_WRITES
 writes per redundant chain.
 
-Ids: collision_id for a node's own collision, job_collision_id for one holding other nodes'
-writes (the same on every agent that sees it).
+Ids: job_collision_id for a collision holding other nodes' writes or a writer of a job with
+ranks on other nodes (the same on every agent that sees it: another node's agent may hear of
+a collision of this node's writers through job scope), collision_id for the rest.
 """
 from __future__ import annotations
 
@@ -451,11 +452,15 @@ class Grouping:
         # Entries come in start order; one still in flight is named as known so far.
         writes = tuple(e.as_write() for e in entries)
         sources = tuple(sorted(set().union(*(e.seen_by for e in entries))))
-        if any(e.source == SOURCE_JOB for e in entries):
+        job = any(e.source == SOURCE_JOB for e in entries)
+        if job or any(_spans_nodes(e.writer) for e in entries):
+            # A job with ranks on other nodes: their agents may hear of this collision
+            # through job scope (as scope "job") and must give it the same id, so it takes
+            # the job's id even when every writer in it is of this node.
             runs = {e.writer.run_key for e in entries}
-            return Collision(path=path, kind=kind, writes=writes, scope=SCOPE_JOB,
-                             sources=sources, detected_wall=self._wall_clock(),
-                             id=job_collision_id(sorted(map(repr, runs)), path, writes))
-        return Collision(path=path, kind=kind, writes=writes, scope=SCOPE_NODE,
-                         sources=sources, detected_wall=self._wall_clock(),
-                         id=collision_id(path, writes[0].start_wall))
+            cid = job_collision_id(sorted(map(repr, runs)), path, writes)
+        else:
+            cid = collision_id(path, writes[0].start_wall)
+        return Collision(path=path, kind=kind, writes=writes,
+                         scope=SCOPE_JOB if job else SCOPE_NODE, sources=sources,
+                         detected_wall=self._wall_clock(), id=cid)

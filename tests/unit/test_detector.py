@@ -796,6 +796,34 @@ def test_two_agents_holding_the_same_writes_the_other_way_round_tell_one_story()
         (KIND_CONCURRENT, [("n1", 11, 1), ("n2", 99, 1)])]
 
 
+def test_a_collision_of_one_nodes_writers_has_the_same_id_on_the_node_that_hears_of_it():
+    """Two ranks of node n1 (a job on two nodes) overlap on a shared path; node n2's agent
+    hears of both through its rank's job scope (its own save of the path came earlier). n1
+    calls it scope "node", n2 scope "job" -- but one collision, one id (the ground-truth
+    checker's "two stories": a57b23ea65fe325b on one agent, j6b49ed8d84077e8 on the other)."""
+    kw = dict(settle=0.5, job_settle=2.0, window=1.0)
+    clock_a = FakeClock(0.0)
+    det_a = make(clock_a, **kw)
+    out_a = feed(det_a, clock_a, [
+        (2.0, dist_start(11, 1, 2.0, rank=0)), (2.5, dist_start(12, 1, 2.5, rank=1)),
+        (3.0, dist_end(11, 1, 3.0, 2.0, rank=0)), (3.5, dist_end(12, 1, 3.5, 2.5, rank=1))])
+    out_a += advance(det_a, clock_a, 30.0)
+    clock_b = FakeClock(0.0)
+    det_b = make(clock_b, **kw)
+    out_b = feed(det_b, clock_b, [(0.0, dist_start(21, 1, 0.0, node="n2", rank=2)),
+                                  (0.5, dist_end(21, 1, 0.5, 0.0, node="n2", rank=2))])
+    for pid, rank, s_mono, e_mono in ((11, 0, 2.0, 3.0), (12, 1, 2.5, 3.5)):
+        clock_b.now = 4.0
+        det_b.observe_remote(remote(21, 1, pid, 1, s_mono, e_mono, node="n2", wnode="n1",
+                                    rank=rank))
+    out_b += advance(det_b, clock_b, 30.0)
+    (a,), (b,) = collisions(out_a), collisions(out_b)
+    assert (a.scope, b.scope) == ("node", "job")
+    assert a.kind == b.kind == KIND_CONCURRENT
+    assert {w.writer.pid for w in a.writes} == {w.writer.pid for w in b.writes} == {11, 12}
+    assert a.id == b.id
+
+
 def test_remote_writes_need_the_reporters_own_write_of_the_path():
     clock = FakeClock(0.0)
     det = make(clock)
