@@ -19,6 +19,11 @@ takes per save, each tree in its own process under valgrind (cachegrind, no cach
 - run twice, with --calls and 3 x --calls saves; the difference divided by 2 x --calls is the
   instructions per save. A plain 4 KiB torch.save is ~437,300 (docs/performance.md).
 
+--parts also counts the tree with pieces taken out, to say what each costs: "stat" (os.stat
+answers a constant), "record" (Emitter.record does nothing: no send, nothing kept, no acks to
+read), "identity" (identity() returns the first answer through a one-line function), and all
+three together. The rest is the wrapper, the call site, the clocks and the frames' formatting.
+
 Not counted: the kernel's side of the sends and the stat, and the cache misses the hook's
 Python takes after each real torch.save -- which is why the whole-process figure (process CPU)
 is several times what these instructions take in a hot loop. Each tree runs with this
@@ -72,11 +77,35 @@ def _noop(obj, f, *args, **kwargs):
     return None
 
 
-def harness(tree: str, calls: int) -> None:
+PARTS = ("stat", "record", "identity", "stat+record+identity")
+
+
+class _ConstantStat:
+    st_size = 4096
+
+
+class _OsWithoutStat:
+    def __getattr__(self, name):
+        return getattr(os, name)
+
+    @staticmethod
+    def stat(path, _result=_ConstantStat):
+        return _result
+
+
+def harness(tree: str, calls: int, without: str = "") -> None:
     """Runs in the child, under valgrind."""
     sys.path.insert(0, tree)
     _stand_in_torch_distributed()
     from ckptwatch import emitter, hook
+    left_out = set(without.split("+")) if without else set()
+    if "stat" in left_out:
+        hook.os = _OsWithoutStat()
+    if "record" in left_out:
+        emitter.Emitter.record = lambda self, frame: None
+    if "identity" in left_out:
+        first = hook.identity()
+        hook.identity = lambda: first
     hook._torch_dir = "/nonexistent-torch/"
     hook._active = True
     save = hook._make_wrapper(_noop)
@@ -91,12 +120,12 @@ def harness(tree: str, calls: int) -> None:
     os._exit(0)
 
 
-def instructions(tree: str, calls: int, socket: str) -> int:
+def instructions(tree: str, calls: int, socket: str, without: str = "") -> int:
     env = {k: v for k, v in os.environ.items() if not k.startswith("CKPTWATCH_")}
     env["CKPTWATCH_SOCKET"] = socket
     cmd = ["valgrind", "--tool=cachegrind", "--cache-sim=no", "--cachegrind-out-file=/dev/null",
            sys.executable, os.path.abspath(__file__), "--harness", "--tree", tree,
-           "--calls", str(calls)]
+           "--calls", str(calls), "--without", without]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env).stderr
     for line in out.splitlines():
         if "I   refs:" in line or "I refs:" in line:
@@ -110,11 +139,14 @@ def main(argv=None) -> int:
     ap.add_argument("--tree", action="append", default=[],
                     help="checkout to count (repeatable; default this one)")
     ap.add_argument("--calls", type=int, default=1000)
+    ap.add_argument("--parts", action="store_true",
+                    help="also count each tree without its stat, record, identity")
     ap.add_argument("--harness", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--without", default="", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     trees = [os.path.abspath(t) for t in args.tree] or [os.path.dirname(HERE)]
     if args.harness:
-        harness(trees[0], args.calls)
+        harness(trees[0], args.calls, args.without)
     with open(TARGET, "wb") as f:
         f.write(b"\0" * 4096)
     sys.path.insert(0, os.path.dirname(HERE))
@@ -130,6 +162,12 @@ def main(argv=None) -> int:
             print(f"{tree}: {counts[tree]:,.0f} instructions per save "
                   f"({args.calls:,} calls {few:,}, {3 * args.calls:,} calls {many:,})",
                   flush=True)
+            for part in PARTS if args.parts else ():
+                without = ((instructions(tree, 3 * args.calls, agent.socket, part)
+                            - instructions(tree, args.calls, agent.socket, part))
+                           / (2 * args.calls))
+                print(f"  without {part}: {without:,.0f} ({counts[tree] - without:,.0f} "
+                      f"for it)", flush=True)
     finally:
         agent.stop()
         os.unlink(TARGET)
