@@ -69,7 +69,7 @@ meanwhile ride on one wake-up (issue 22, docs/decisions.md "Ingest reads at a pa
 evidence is unchanged: every frame is in the kernel (the socket) when the hook's send returns,
 and a sender's death still leaves it there. What the pause costs is latency: a frame that
 arrives on an established connection while the server pauses is read up to read_pause later
-(5 ms); the first frame after an idle moment is read at once, and a turn that took longer
+(1 ms); the first frame after an idle moment is read at once, and a turn that took longer
 than read_pause is followed by no pause at all (so a busy agent reads as fast as before). A
 pause waits on the listener and the wake pipe only: a new connection (a resume guard's query,
 which has CKPTWATCH_LOAD_WAIT_MS, 5 ms by default, for its answer; a new process's hello), a
@@ -118,7 +118,7 @@ _READS_PER_TURN = 8                 # then serve other connections (fairness)
 _BACKLOG = 4096                     # the kernel caps it at net.core.somaxconn
 MAX_NOTICES = 256                   # notice frames waiting for the server thread
 ACK_INTERVAL = 0.05                 # at most one ack per connection this often (seconds)
-READ_PAUSE = 0.005                  # seconds from a turn that read to the next select
+READ_PAUSE = 0.001                  # seconds from a turn that read to the next select
 _MAX_RECEIPTS = 256                 # unacknowledged reads remembered per connection
 # The frames that name a write of the sender's own: a notice may be about one of those.
 _OWN_WRITE_TYPES = frozenset({"start", "end", "hazard"})
