@@ -602,9 +602,16 @@ class Emitter:
         """The agent has taken in the first `count` frames of this connection (under _io)."""
         self._acking = True
         unacked = self._unacked
-        for _ in range(min(count - self._acked, len(unacked))):
-            unacked.popleft()
-            self._acked += 1
+        done = min(count - self._acked, len(unacked))
+        if done <= 0:
+            return
+        if done == len(unacked):
+            unacked.clear()
+        else:
+            popleft = unacked.popleft
+            for _ in range(done):
+                popleft()
+        self._acked += done
 
     def _connection_lost(self) -> None:
         """Close; what must go again goes first on the next connection (module doc). Under

@@ -462,6 +462,9 @@ _ident_members = (None, "")     # (identity dict, its members as JSON text): one
                                 # identity() returns the same dict until the identity changes
 _json_str = events.json_str
 _pack_length = events.HEADER.pack
+_time_ns = time.time_ns
+_monotonic_ns = time.monotonic_ns
+_getframe = sys._getframe
 
 
 def _heads(site, path: str, ident):
@@ -475,8 +478,13 @@ def _heads(site, path: str, ident):
         ident_text = events.json_members(ident)
         _ident_members = (ident, ident_text)
     shared = '%s,"path":%s,%s,"seq":' % (ident_text, _json_str(path), site[2])
+    end_head = ('{"v":%d,"type":"end",%s' % (SCHEMA_VERSION, shared)).encode("ascii")
+    if len(end_head) + _NUMBERS_SLACK > events.MAX_FRAME_BYTES:
+        # A start or an "ok" end from these heads could be too large for one frame: the
+        # save path checks each frame's size only for the heads of a path this long.
+        raise ValueError("event too large")      # counted as an error; the save goes on
     heads = (ident, ('{"v":%d,"type":"start",%s' % (SCHEMA_VERSION, shared)).encode("ascii"),
-             ('{"v":%d,"type":"end",%s' % (SCHEMA_VERSION, shared)).encode("ascii"))
+             end_head)
     cache = site[3]
     if len(cache) >= _MAX_PATHS:
         cache.clear()
@@ -497,6 +505,10 @@ def want_notices() -> None:
 
 
 _START = b'%s%d,"wall":%de-6,"mono":%de-9%s}'
+# What _START and _END_OK add to a head, at most: their fixed text (< 100 bytes), six
+# integers of at most 20 characters and the notices flag (15): a head shorter than
+# MAX_FRAME_BYTES by this much makes frames that fit (_heads checks it once per head).
+_NUMBERS_SLACK = 256
 _END_OK = (b'%s%d,"wall":%de-6,"mono":%de-9,"start_wall":%de-6,"start_mono":%de-9,'
            b'"bytes":%d,"outcome":"ok"%s}')
 _END = (b'%s%d,"wall":%de-6,"mono":%de-9,"start_wall":%de-6,"start_mono":%de-9,'
@@ -533,31 +545,42 @@ def _pending(ident, seq, path, site, wall_us, mono_ns):
 
 def _begin(args, kwargs):
     """Report a save's start; (heads, seq, path, file object, wall us, mono ns, pending for
-    job scope or None) for _finish, or None when the save is not reported."""
+    job scope or None) for _finish, or None when the save is not reported.
+
+    The save path, issue 22 (docs/performance.md): a path saved before from the same call
+    site finds its heads by the argument itself -- they are cached under the absolute,
+    normalised path, so a string equal to a key is that path -- and the start frame is
+    formatted here (what _start_frame does, without its call and size check: _heads made
+    sure the frame fits)."""
     f = args[1] if len(args) > 1 else kwargs.get("f")
-    if (type(f) is str and f[:1] == "/" and "/." not in f and "//" not in f
-            and f[-1:] != "/"):
-        path, fileobj = f, None              # the common case: _absolute's fast path, inline
-    else:
-        target = _target_path(f)
-        if not target:
-            if target is None:
-                _counters["unreported"] += 1
-            return None
-        path, fileobj = target
-    frame = sys._getframe(2)                 # the wrapper's caller: the call site's frame,
+    frame = _getframe(2)                     # the wrapper's caller: the call site's frame,
     known = _codes.get(id(frame.f_code))     # unless torch's or ours (then _site walks on)
     site = known[1].get(frame.f_lasti) if known is not None and known[1] is not None else None
     if site is None:
         site = _site(frame)
     ident = identity()
-    heads = site[3].get(path)
-    if heads is None or heads[0] is not ident:
-        heads = _heads(site, path, ident)
+    heads = site[3].get(f) if type(f) is str else None
+    if heads is not None and heads[0] is ident:
+        path, fileobj = f, None
+    else:
+        if (type(f) is str and f[:1] == "/" and "/." not in f and "//" not in f
+                and f[-1:] != "/"):
+            path, fileobj = f, None          # _absolute's fast path, inline
+        else:
+            target = _target_path(f)
+            if not target:
+                if target is None:
+                    _counters["unreported"] += 1
+                return None
+            path, fileobj = target
+        heads = site[3].get(path)
+        if heads is None or heads[0] is not ident:
+            heads = _heads(site, path, ident)
     seq = next(_seq)
-    wall_us, mono_ns = time.time_ns() // 1000, time.monotonic_ns()
-    (_emitter or _bind_emitter()).record(_start_frame(heads, seq, wall_us, mono_ns))  # before
-    pending = None                                                      # the first byte
+    wall_us, mono_ns = _time_ns() // 1000, _monotonic_ns()
+    payload = _START % (heads[1], seq, wall_us, mono_ns, _extra)
+    (_emitter or _bind_emitter()).record(_pack_length(len(payload)) + payload)  # before the
+    pending = None                                                             # first byte
     if _jobscope is not None:
         pending = _pending(ident, seq, path, site, wall_us, mono_ns)
         _jobscope.started(pending)                       # job scope: never waits
@@ -568,7 +591,7 @@ def _begin(args, kwargs):
 def _finish(started, outcome: str) -> None:
     try:
         heads, seq, path, fileobj, start_wall_us, start_mono_ns, pending = started
-        wall_us, mono_ns = time.time_ns() // 1000, time.monotonic_ns()
+        wall_us, mono_ns = _time_ns() // 1000, _monotonic_ns()
         if fileobj is None:
             # If another process rewrote the file meanwhile, the size is theirs; exact
             # per-writer sizes under a collision are the filesystem watcher's job.
@@ -583,8 +606,14 @@ def _finish(started, outcome: str) -> None:
                 size = None
             if not isinstance(size, int):
                 size = None
-        (_emitter or _bind_emitter()).record(_end_frame(
-            heads, seq, wall_us, mono_ns, start_wall_us, start_mono_ns, size, outcome))
+        if outcome == "ok" and type(size) is int:     # _end_frame's common case, inline
+            payload = _END_OK % (heads[2], seq, wall_us, mono_ns, start_wall_us,
+                                 start_mono_ns, size, _extra)
+            frame = _pack_length(len(payload)) + payload
+        else:
+            frame = _end_frame(heads, seq, wall_us, mono_ns, start_wall_us, start_mono_ns,
+                               size, outcome)
+        (_emitter or _bind_emitter()).record(frame)
         if pending is not None and _jobscope is not None:
             _jobscope.ended(pending, wall_us / 1000000, mono_ns / 1000000000, outcome,
                             size)                               # never waits

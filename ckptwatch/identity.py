@@ -67,6 +67,7 @@ def from_environ(environ) -> dict:
     return ident
 
 
+_modules = sys.modules
 _dist_module = None
 _dist_is_initialized = None
 _c10d = None        # torch.distributed.distributed_c10d when its default group can be read
@@ -131,6 +132,19 @@ def identity() -> dict:
     global _cached, _cached_env_len
     ident = _cached
     env_len = len(_ENV_DATA)
+    if ident is not None and env_len == _cached_env_len:
+        # The save path's common cases, without a further call (issue 22): a rank from the
+        # launcher, or no process group yet where c10d's default group is read directly and
+        # torch.distributed is still the module it was read from.
+        if ident["rank"] is not None:
+            return ident
+        c10d = _c10d
+        try:
+            if (c10d is not None and c10d._world._default_pg is None
+                    and _modules.get("torch.distributed") is _dist_module):
+                return ident
+        except Exception:
+            pass            # asked again below, through _distributed_rank()
     if ident is None or env_len != _cached_env_len:
         ident = _cached = from_environ(os.environ)
         _cached_env_len = env_len

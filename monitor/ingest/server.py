@@ -68,9 +68,13 @@ not waiting costs the sender nothing, so pausing between turns makes the frames 
 meanwhile ride on one wake-up (issue 22, docs/decisions.md "Ingest reads at a pace"). The
 evidence is unchanged: every frame is in the kernel (the socket) when the hook's send returns,
 and a sender's death still leaves it there. What the pause costs is latency: a frame that
-arrives while the server pauses is read up to read_pause later (1 ms); the first frame after
-an idle moment is read at once, and a turn that took longer than read_pause is followed by no
-pause at all (so a busy agent reads as fast as before). The stop request ends a pause.
+arrives on an established connection while the server pauses is read up to read_pause later
+(1 ms); the first frame after an idle moment is read at once, and a turn that took longer
+than read_pause is followed by no pause at all (so a busy agent reads as fast as before). A
+pause waits on the listener and the wake pipe only: a new connection (a resume guard's query,
+which has CKPTWATCH_LOAD_WAIT_MS, 5 ms by default, for its answer; a new process's hello), a
+notice to send or the stop request ends it, and a turn that accepted a connection is followed
+by no pause, so a new connection's first frames are read at once.
 
 Hang-ups (with hangups=True, as the agent runs it): when a peer ends its side of a connection
 (its process exited or was killed: the kernel closes a dying process's sockets), on_events gets
@@ -151,6 +155,7 @@ class IngestServer:
         self._clock = clock
         self._listener: socket.socket | None = None
         self._selector: selectors.BaseSelector | None = None
+        self._pause_selector: selectors.BaseSelector | None = None   # listener + wake pipe
         self._wake_r: socket.socket | None = None
         self._wake_w: socket.socket | None = None
         self._thread: threading.Thread | None = None
@@ -192,6 +197,11 @@ class IngestServer:
         self._selector = selectors.DefaultSelector()
         self._selector.register(listener, selectors.EVENT_READ, None)
         self._selector.register(self._wake_r, selectors.EVENT_READ, None)
+        # What a pause waits on: a new connection or the wake pipe ends it; the established
+        # connections are not watched, so their frames wake nobody (module doc).
+        self._pause_selector = selectors.DefaultSelector()
+        self._pause_selector.register(listener, selectors.EVENT_READ, None)
+        self._pause_selector.register(self._wake_r, selectors.EVENT_READ, None)
         self._stopping.clear()
         self._thread = threading.Thread(target=self._serve, name="ckptwatch-ingest", daemon=True)
         self._thread.start()
@@ -214,7 +224,9 @@ class IngestServer:
             if sock is not None:
                 sock.close()
         self._selector.close()
+        self._pause_selector.close()
         self._listener = self._wake_r = self._wake_w = self._selector = None
+        self._pause_selector = None
         self._file.unlink_if_ours()
 
     @property
@@ -275,10 +287,12 @@ class IngestServer:
                 continue
             turn_began = time.monotonic()
             readable = []
+            accepted = False
             for key, _ in ready:
                 sock = key.fileobj
                 try:
                     if sock is self._listener:
+                        accepted = True
                         self._accept()
                     elif sock is self._wake_r:
                         self._drain_wakeup()
@@ -315,15 +329,18 @@ class IngestServer:
                     self._conns.refusals.tick(now)
                 except Exception:
                     self._unexpected("connection sweep failed")
-            if readable and self._read_pause:
+            if readable and self._read_pause and not accepted:
                 self._pause(turn_began)
 
     def _pause(self, turn_began: float) -> None:
         """Wait out the rest of read_pause from `turn_began` (module doc, "Reading pace"):
         frames sent meanwhile stay in the kernel and wake nobody."""
         rest = turn_began + self._read_pause - time.monotonic()
-        if rest > 0:
-            self._stopping.wait(rest)
+        if rest > 0 and not self._stopping.is_set():
+            try:
+                self._pause_selector.select(rest)   # a new connection or a stop ends it
+            except Exception:
+                self._stopping.wait(rest)
 
     def _send_acks(self) -> None:
         """Acknowledge what the consumer has finished, to every connection owed an ack and

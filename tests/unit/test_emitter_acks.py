@@ -153,3 +153,31 @@ def test_whatever_the_agent_sends_the_hook_carries_on(sock, make_emitter, garbag
     stats = emitter.stats()
     assert stats["errors"] == 0 and stats["unacked"] >= 0
     server.drop()
+
+
+def test_an_ack_forgets_exactly_the_frames_it_counts():
+    # An ack says how many frames of the connection the agent has taken in, from its start:
+    # a repeated or smaller count forgets nothing more, a count beyond what is kept forgets
+    # all that is kept, and later counts are read against the running total (the frames a
+    # partial ack left are the ones sent again after a lost connection).
+    emitter = emitter_mod.Emitter("/nonexistent/ckptwatch.sock")
+    frames = [b"frame-%d" % i for i in range(1, 8)]
+    emitter._unacked.extend(frames[:5])
+    emitter._acknowledged(2)
+    assert list(emitter._unacked) == frames[2:5]
+    emitter._acknowledged(2)
+    emitter._acknowledged(1)
+    assert list(emitter._unacked) == frames[2:5]
+    emitter._acknowledged(4)
+    assert list(emitter._unacked) == frames[4:5]
+    emitter._unacked.extend(frames[5:])
+    emitter._acknowledged(6)
+    assert list(emitter._unacked) == frames[6:]
+    emitter._acknowledged(7)
+    assert not emitter._unacked
+    emitter._unacked.append(b"frame-8")
+    emitter._acknowledged(7)
+    assert list(emitter._unacked) == [b"frame-8"]
+    emitter._acknowledged(20)                 # beyond what is kept: all of it
+    assert not emitter._unacked
+    emitter.shutdown(0)

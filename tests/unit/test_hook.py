@@ -590,3 +590,68 @@ def test_an_instrumented_save_loads_only_stdlib_and_ckptwatch_modules(rx, sock, 
     assert result["foreign"] == []
     assert "ckptwatch.hook" in result["ours"] and "ckptwatch.emitter" in result["ours"]
     rx.wait_count("end", 1)
+
+
+def _in_process_hook(monkeypatch):
+    """The hook active in this process around a no-op save, its frames kept in a list."""
+    from ckptwatch import events, hook
+
+    class Frames:
+        def __init__(self):
+            self.sent, self.raw = [], []
+
+        def record(self, frame):
+            self.raw.append(frame)
+            self.sent.append(events.decode(frame[4:]))
+
+    frames = Frames()
+    monkeypatch.setattr(hook, "_active", True)
+    monkeypatch.setattr(hook, "_emitter", frames)
+    monkeypatch.setattr(hook, "_jobscope", None)
+    monkeypatch.setattr(hook, "_torch_dir", "/nonexistent-torch/")
+    calls = []
+    return hook._make_wrapper(lambda obj, f, *a, **k: calls.append(f)), frames, calls
+
+
+def test_a_path_too_long_for_its_end_frame_is_reported_by_neither_frame(monkeypatch, workdir):
+    # The frames' size is checked once per (site, path) head, for the longer "ok" end: a
+    # path whose start would fit one frame but whose end would not sends neither (a start
+    # without its end would hold the write open at the agent), and the save itself runs.
+    from ckptwatch import events, hook
+    save, frames, calls = _in_process_hook(monkeypatch)
+    probe = "/" + "p" * 100
+    save({}, probe)
+    start_len, end_len = (len(frame) - 4 for frame in frames.raw)
+    assert end_len - start_len > 60
+    # a path of this length makes a start frame of MAX_FRAME_BYTES - 20 and a longer end
+    long_path = "/" + "p" * (100 + events.MAX_FRAME_BYTES - 20 - start_len)
+    frames.sent.clear()
+    errors = hook.stats()["errors"]
+    save({}, long_path)
+    assert calls[-1] == long_path
+    assert frames.sent == []
+    assert hook.stats()["errors"] == errors + 1
+    save({}, probe)                                  # the next save is reported as before
+    assert [e["type"] for e in frames.sent] == ["start", "end"]
+
+
+def test_every_spelling_of_a_path_is_reported_as_its_absolute_path(monkeypatch, workdir):
+    # The save path finds a (site, path)'s cached heads by the argument itself: whatever
+    # spelling came first, each save's frames carry the absolute, normalised path.
+    save, frames, calls = _in_process_hook(monkeypatch)
+    monkeypatch.chdir(workdir)
+    absolute = os.path.join(workdir, "x.pt")
+    with open(absolute, "wb") as f:
+        f.write(b"1234")
+    spellings = ["x.pt", absolute, os.path.join(workdir, ".", "x.pt"), "./x.pt",
+                 absolute.encode(), absolute]
+    for spelling in spellings:
+        save({}, spelling)                           # one call site for all of them
+    with open(absolute, "ab") as f:
+        save({}, f)
+    save({}, absolute)
+    ends = [e for e in frames.sent if e["type"] == "end"]
+    assert len(ends) == len(spellings) + 2
+    assert {e["path"] for e in frames.sent} == {absolute}
+    assert len({e["site"] for e in ends[:len(spellings)]}) == 1
+    assert {e["bytes"] for e in ends} == {4}

@@ -211,3 +211,33 @@ def test_default_group_read_directly_or_through_is_initialized(monkeypatch):
         found = identity_mod.identity()
         assert (found["rank"], found["world_size"]) == (3, 8), layout
     identity_mod.reset()
+
+
+def test_a_torch_distributed_module_replaced_after_a_first_save_is_asked(monkeypatch):
+    # identity()'s shortcut for a rank-less process reads the default group of the
+    # torch.distributed it bound; a different module in sys.modules is asked afresh.
+    import types
+    from ckptwatch import identity as identity_mod
+    for name in ("RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK"):
+        monkeypatch.delenv(name, raising=False)
+
+    def fake(initialised: bool, rank: int):
+        world = types.SimpleNamespace(_default_pg=object() if initialised else None)
+        dist = types.ModuleType("torch.distributed")
+        dist.is_initialized = lambda: world._default_pg is not None
+        dist.get_rank, dist.get_world_size = (lambda: rank), (lambda: 8)
+        c10d = types.ModuleType("torch.distributed.distributed_c10d")
+        c10d._world = world
+        return dist, c10d
+
+    dist, c10d = fake(False, 3)
+    monkeypatch.setitem(sys.modules, "torch.distributed", dist)
+    monkeypatch.setitem(sys.modules, "torch.distributed.distributed_c10d", c10d)
+    identity_mod.reset()
+    assert identity_mod.identity()["rank"] is None
+    assert identity_mod.identity()["rank"] is None          # the shortcut, same answer
+    dist, c10d = fake(True, 5)
+    monkeypatch.setitem(sys.modules, "torch.distributed", dist)
+    monkeypatch.setitem(sys.modules, "torch.distributed.distributed_c10d", c10d)
+    assert identity_mod.identity()["rank"] == 5
+    identity_mod.reset()

@@ -540,3 +540,27 @@ def test_after_a_turn_that_read_the_server_pauses_before_selecting_again(sockdir
     finally:
         srv.stop()
 
+
+
+def test_a_new_connection_ends_the_pause_and_its_frames_are_read_at_once(sockdir,
+                                                                        no_thread_leak):
+    # The pause keeps an established connection's frames from waking the server; a new
+    # connection -- a resume guard's query, which has 5 ms for its answer -- ends it, and the
+    # turn that accepted it is not followed by a pause, so its first frame is read at once
+    # (here: well within a pause of 30 s).
+    batches = []
+    srv = IngestServer(os.path.join(sockdir, "pause.sock"), batches.append, lambda r: None,
+                       read_pause=30.0)
+    srv.start()
+    try:
+        with connect(srv.path) as first:
+            first.sendall(events.encode(start_event(seq=1)))
+            wait_for(lambda: sum(map(len, batches)) == 1, message="the first frame")
+            # the server now pauses for 30 s after the turn that read it
+            with connect(srv.path) as second:
+                second.sendall(events.encode(start_event(seq=2)))
+                wait_for(lambda: sum(map(len, batches)) == 2, timeout=10,
+                         message="the new connection's frame, within the pause")
+    finally:
+        srv.stop()
+    assert [e["seq"] for b in batches for e in b] == [1, 2]
