@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import signal
 import sys
 import time
 
@@ -88,6 +89,9 @@ def main() -> int:
                         help="share of rounds on shared storage (0: node-local paths only)")
     parser.add_argument("--show", type=int, default=5, help="mismatches shown per trial")
     args = parser.parse_args()
+    # SIGTERM (a `kill`, a timeout) unwinds like Ctrl-C: the busy processes and the agents
+    # are stopped by their context managers instead of being left running.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     profile = Profile(nodes=tuple(f"node-{chr(97 + i)}" for i in range(args.nodes)),
                       local_world=args.ranks, rounds=args.rounds, p_shared=args.shared)
     print(f"bench/groundtruth.py: seeds {args.seeds}, {args.rounds} rounds, {args.nodes} "
