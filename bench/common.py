@@ -11,7 +11,7 @@ if REPO not in sys.path:
 
 from monitor.cli.launcher import AgentProcess, free_port  # noqa: E402
 
-__all__ = ["REPO", "Agent", "free_port", "tree_python"]
+__all__ = ["REPO", "Agent", "free_port", "tree_python", "valgrind_instructions"]
 
 
 def tree_python(tree: str) -> str:
@@ -19,6 +19,19 @@ def tree_python(tree: str) -> str:
     worktree measured side by side), else this one."""
     own = os.path.join(tree, ".venv", "bin", "python")
     return own if os.path.exists(own) else sys.executable
+
+
+def valgrind_instructions(args: list, label: str, env=None) -> int:
+    """Instructions a Python run of `args` (this interpreter) takes, user space, every thread:
+    valgrind's cachegrind without cache simulation (bench/hook_instructions.py,
+    bench/loop_instructions.py -- a count that does not move with the machine's load)."""
+    cmd = ["valgrind", "--tool=cachegrind", "--cache-sim=no", "--cachegrind-out-file=/dev/null",
+           sys.executable, *args]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env).stderr
+    for line in out.splitlines():
+        if "I   refs:" in line or "I refs:" in line:
+            return int(line.split(":")[1].replace(",", "").split()[0])
+    raise SystemExit(f"no instruction count from valgrind for {label}:\n{out[-2000:]}")
 
 
 class Agent(AgentProcess):

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 import types
 
@@ -123,14 +122,9 @@ def harness(tree: str, calls: int, without: str = "") -> None:
 def instructions(tree: str, calls: int, socket: str, without: str = "") -> int:
     env = {k: v for k, v in os.environ.items() if not k.startswith("CKPTWATCH_")}
     env["CKPTWATCH_SOCKET"] = socket
-    cmd = ["valgrind", "--tool=cachegrind", "--cache-sim=no", "--cachegrind-out-file=/dev/null",
-           sys.executable, os.path.abspath(__file__), "--harness", "--tree", tree,
-           "--calls", str(calls), "--without", without]
-    out = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env).stderr
-    for line in out.splitlines():
-        if "I   refs:" in line or "I refs:" in line:
-            return int(line.split(":")[1].replace(",", "").split()[0])
-    raise SystemExit(f"no instruction count from valgrind for {tree}:\n{out[-2000:]}")
+    from bench.common import valgrind_instructions
+    return valgrind_instructions([os.path.abspath(__file__), "--harness", "--tree", tree,
+                                  "--calls", str(calls), "--without", without], tree, env)
 
 
 def main(argv=None) -> int:

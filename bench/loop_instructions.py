@@ -96,15 +96,12 @@ def harness(tree: str, senders: int, n_events: int, paths: int, loop: bool) -> N
 
 
 def instructions(tree: str, args, loop: bool) -> int:
-    cmd = ["valgrind", "--tool=cachegrind", "--cache-sim=no", "--cachegrind-out-file=/dev/null",
-           sys.executable, os.path.abspath(__file__), "--harness", "--tree", tree,
-           "--events", str(args.events), "--paths", str(args.paths), "--senders",
-           str(args.senders)] + ([] if loop else ["--no-loop"])
-    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stderr
-    for line in out.splitlines():
-        if "I   refs:" in line or "I refs:" in line:
-            return int(line.split(":")[1].replace(",", "").split()[0])
-    raise SystemExit(f"no instruction count from valgrind for {tree}:\n{out[-2000:]}")
+    sys.path.insert(0, os.path.dirname(HERE))
+    from bench.common import valgrind_instructions
+    return valgrind_instructions(
+        [os.path.abspath(__file__), "--harness", "--tree", tree, "--events", str(args.events),
+         "--paths", str(args.paths), "--senders", str(args.senders)]
+        + ([] if loop else ["--no-loop"]), tree)
 
 
 def main(argv=None) -> int:
