@@ -516,21 +516,21 @@ _END = (b'%s%d,"wall":%de-6,"mono":%de-9,"start_wall":%de-6,"start_mono":%de-9,'
 
 
 def _start_frame(heads, seq: int, wall_us: int, mono_ns: int) -> bytes:
+    # No size check: _heads made sure a start from these heads fits (_NUMBERS_SLACK).
     payload = _START % (heads[1], seq, wall_us, mono_ns, _extra)
-    if len(payload) > events.MAX_FRAME_BYTES:
-        raise ValueError("event too large")      # counted as an error; the save goes on
     return _pack_length(len(payload)) + payload
 
 
 def _end_frame(heads, seq: int, wall_us: int, mono_ns: int, start_wall_us: int,
                start_mono_ns: int, size, outcome: str) -> bytes:
     if outcome == "ok" and type(size) is int:
+        # Fits, as a start does (_heads); the common case checks nothing more.
         payload = _END_OK % (heads[2], seq, wall_us, mono_ns, start_wall_us, start_mono_ns,
                              size, _extra)
-    else:
-        payload = _END % (heads[2], seq, wall_us, mono_ns, start_wall_us, start_mono_ns,
-                          b"null" if size is None else b"%d" % size,
-                          _json_str(outcome).encode("ascii"), _extra)
+        return _pack_length(len(payload)) + payload
+    payload = _END % (heads[2], seq, wall_us, mono_ns, start_wall_us, start_mono_ns,
+                      b"null" if size is None else b"%d" % size,
+                      _json_str(outcome).encode("ascii"), _extra)
     if len(payload) > events.MAX_FRAME_BYTES:
         raise ValueError("event too large")      # counted as an error; the save goes on
     return _pack_length(len(payload)) + payload
@@ -549,9 +549,7 @@ def _begin(args, kwargs):
 
     The save path, issue 22 (docs/performance.md): a path saved before from the same call
     site finds its heads by the argument itself -- they are cached under the absolute,
-    normalised path, so a string equal to a key is that path -- and the start frame is
-    formatted here (what _start_frame does, without its call and size check: _heads made
-    sure the frame fits)."""
+    normalised path, so a string equal to a key is that path."""
     f = args[1] if len(args) > 1 else kwargs.get("f")
     frame = _getframe(2)                     # the wrapper's caller: the call site's frame,
     known = _codes.get(id(frame.f_code))     # unless torch's or ours (then _site walks on)
@@ -578,9 +576,8 @@ def _begin(args, kwargs):
             heads = _heads(site, path, ident)
     seq = next(_seq)
     wall_us, mono_ns = _time_ns() // 1000, _monotonic_ns()
-    payload = _START % (heads[1], seq, wall_us, mono_ns, _extra)
-    (_emitter or _bind_emitter()).record(_pack_length(len(payload)) + payload)  # before the
-    pending = None                                                             # first byte
+    (_emitter or _bind_emitter()).record(_start_frame(heads, seq, wall_us, mono_ns))  # before
+    pending = None                                                      # the first byte
     if _jobscope is not None:
         pending = _pending(ident, seq, path, site, wall_us, mono_ns)
         _jobscope.started(pending)                       # job scope: never waits
@@ -606,14 +603,8 @@ def _finish(started, outcome: str) -> None:
                 size = None
             if not isinstance(size, int):
                 size = None
-        if outcome == "ok" and type(size) is int:     # _end_frame's common case, inline
-            payload = _END_OK % (heads[2], seq, wall_us, mono_ns, start_wall_us,
-                                 start_mono_ns, size, _extra)
-            frame = _pack_length(len(payload)) + payload
-        else:
-            frame = _end_frame(heads, seq, wall_us, mono_ns, start_wall_us, start_mono_ns,
-                               size, outcome)
-        (_emitter or _bind_emitter()).record(frame)
+        (_emitter or _bind_emitter()).record(_end_frame(
+            heads, seq, wall_us, mono_ns, start_wall_us, start_mono_ns, size, outcome))
         if pending is not None and _jobscope is not None:
             _jobscope.ended(pending, wall_us / 1000000, mono_ns / 1000000000, outcome,
                             size)                               # never waits
