@@ -23,6 +23,7 @@ Mismatches are plain strings naming the seed, the agent, the path and what diffe
 """
 from __future__ import annotations
 
+import itertools
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -102,6 +103,7 @@ def check(truth: list[TrueWrite], observed: list[Observed], shared: callable,
         by_path[w.path].append(w)
     alts = {path: alternatives(ws, window, tolerance) for path, ws in by_path.items()}
     ids: dict = defaultdict(dict)       # frozenset(saves) of a required collision -> node -> id
+    told: dict = defaultdict(dict)      # path -> node -> {(kind, saves, id)}: _two_stories
 
     def bad(node, path, text):
         verdict.mismatches.append(f"{label}{node} {path}: {text}")
@@ -127,6 +129,8 @@ def check(truth: list[TrueWrite], observed: list[Observed], shared: callable,
                 bad(obs.node, rec["path"], f"collision {rec['id']} names writes no writer "
                     f"made: {[(e.get('node'), e.get('pid'), e.get('start_wall')) for e in unknown]}")
             reported[rec["path"]].append((rec["kind"], frozenset(saves), rec))
+            told[rec["path"]].setdefault(obs.node, set()).add(
+                (rec["kind"], frozenset(saves), rec["id"]))
         for path in set(by_path) | set(reported):
             got = reported.get(path, [])
             options = alts.get(path, [frozenset()])
@@ -156,29 +160,21 @@ def check(truth: list[TrueWrite], observed: list[Observed], shared: callable,
         if len(set(per_node.values())) > 1:
             verdict.mismatches.append(f"{label}{path}: one {kind} collision "
                                       f"{sorted(saves)} has ids {per_node}")
-    verdict.mismatches += [label + text for text in _two_stories(observed, truth)]
+    verdict.mismatches += [label + text for text in _two_stories(told)]
     return verdict
 
 
-def _two_stories(observed: list[Observed], truth: list[TrueWrite]) -> list[str]:
+def _two_stories(told: dict) -> list[str]:
     """Pairs of agents whose collisions on a path share a save but differ in kind, saves or
-    id (design.md: every agent tells the same story)."""
-    told: dict = defaultdict(dict)       # path -> node -> {(kind, saves, id)}
-    for obs in observed:
-        for rec in obs.collisions:
-            saves = frozenset(w.save for w in (save_of(e, truth) for e in rec["writers"])
-                              if w is not None)
-            told[rec["path"]].setdefault(obs.node, set()).add((rec["kind"], saves, rec["id"]))
+    id (design.md: every agent tells the same story). told: path -> node -> {(kind, saves,
+    id)}."""
     out = []
     for path, by_node in told.items():
-        nodes = sorted(by_node)
-        for i, a in enumerate(nodes):
-            for b in nodes[i + 1:]:
-                for ca in by_node[a]:
-                    for cb in by_node[b]:
-                        if ca != cb and ca[1] & cb[1]:
-                            out.append(f"{path}: two stories, {a} {ca[0]} {sorted(ca[1])} "
-                                       f"{ca[2]}, {b} {cb[0]} {sorted(cb[1])} {cb[2]}")
+        for a, b in itertools.combinations(sorted(by_node), 2):
+            for ca, cb in itertools.product(by_node[a], by_node[b]):
+                if ca != cb and ca[1] & cb[1]:
+                    out.append(f"{path}: two stories, {a} {ca[0]} {sorted(ca[1])} {ca[2]}, "
+                               f"{b} {cb[0]} {sorted(cb[1])} {cb[2]}")
     return out
 
 
