@@ -47,11 +47,12 @@ def make(clock, **kw):
 
 
 def feed(det, clock, timed_events):
-    """Observe (time, event) pairs at their time; tick at every step. Returns all outputs."""
+    """Observe (time, event) pairs at their time -- a "remote" event through observe_remote
+    -- and tick at every step. Returns all outputs."""
     out = []
     for at, ev in timed_events:
         clock.now = at
-        out += det.observe(ev)
+        out += det.observe_remote(ev) if ev["type"] == "remote" else det.observe(ev)
         out += det.tick()
     return out
 
@@ -748,13 +749,8 @@ def test_a_remote_writes_library_is_kept_bounded(sent, kept):
 
 
 def _story(det, clock, timed, until):
-    """Feed (time, event) pairs -- "remote" events through observe_remote -- tick to `until`;
-    the collisions as (kind, id, writes)."""
-    out = []
-    for at, ev in timed:
-        clock.now = at
-        out += det.observe_remote(ev) if ev["type"] == "remote" else det.observe(ev)
-        out += det.tick()
+    """feed() the (time, event) pairs, tick to `until`; the collisions as (kind, id, writes)."""
+    out = feed(det, clock, timed)
     t = clock.now
     while t < until:
         t += 0.25
@@ -798,7 +794,7 @@ def test_two_agents_holding_the_same_writes_the_other_way_round_tell_one_story()
 
 def test_a_collision_of_one_nodes_writers_has_the_same_id_on_the_node_that_hears_of_it():
     """Two ranks of node n1 (a job on two nodes) overlap on a shared path; node n2's agent
-    hears of both through its rank's job scope (its own save of the path came earlier). n1
+    hears of both through its rank's job scope (its own save of the path came later). n1
     calls it scope "node", n2 scope "job" -- but one collision, one id (the ground-truth
     checker's "two stories": a57b23ea65fe325b on one agent, j6b49ed8d84077e8 on the other)."""
     kw = dict(settle=0.5, job_settle=2.0, window=1.0)
@@ -810,12 +806,11 @@ def test_a_collision_of_one_nodes_writers_has_the_same_id_on_the_node_that_hears
     out_a += advance(det_a, clock_a, 30.0)
     clock_b = FakeClock(0.0)
     det_b = make(clock_b, **kw)
-    out_b = feed(det_b, clock_b, [(0.0, dist_start(21, 1, 0.0, node="n2", rank=2)),
-                                  (0.5, dist_end(21, 1, 0.5, 0.0, node="n2", rank=2))])
-    for pid, rank, s_mono, e_mono in ((11, 0, 2.0, 3.0), (12, 1, 2.5, 3.5)):
-        clock_b.now = 4.0
-        det_b.observe_remote(remote(21, 1, pid, 1, s_mono, e_mono, node="n2", wnode="n1",
-                                    rank=rank))
+    out_b = feed(det_b, clock_b, [
+        (3.6, dist_start(21, 1, 3.6, node="n2", rank=2)),
+        (3.9, dist_end(21, 1, 3.9, 3.6, node="n2", rank=2))] + [
+        (4.0, remote(21, 1, pid, 1, s_mono, e_mono, node="n2", wnode="n1", rank=rank))
+        for pid, rank, s_mono, e_mono in ((11, 0, 2.0, 3.0), (12, 1, 2.5, 3.5))])
     out_b += advance(det_b, clock_b, 30.0)
     (a,), (b,) = collisions(out_a), collisions(out_b)
     assert (a.scope, b.scope) == ("node", "job")
