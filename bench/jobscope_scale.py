@@ -42,7 +42,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SHARED = "/ckptwatch-bench-shared"       # marked shared (CKPTWATCH_SHARED_PATHS), never created
 
 
-def _server(conn) -> None:
+def _pin(cpus) -> None:
+    """--isolate: keep this process on `cpus` (None: leave it where the OS puts it)."""
+    if cpus is not None:
+        os.sched_setaffinity(0, cpus)
+
+
+def _server(conn, cpus=None) -> None:
+    _pin(cpus)
     import torch.distributed as dist
     store = dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=60),
                           wait_for_workers=False)
@@ -52,12 +59,13 @@ def _server(conn) -> None:
 
 
 def _ranks(conn, port: int, ranks: list, window: float, per_node: int,
-           stagger: float) -> None:
+           stagger: float, cpus=None) -> None:
     """One process of simulated ranks: a JobScope each, driven by commands from the bench.
     The ranks connect `stagger` seconds apart: torch 2.13's TCPStore server stalls (every
     client, the job's own too, for seconds) when more than ~50 connections arrive in a burst
     (measured here with torch's own client: the 49th times out), so a burst of 1,024 would
     measure that stall, not job scope."""
+    _pin(cpus)
     from ckptwatch.jobscope import JobScope
     from ckptwatch.sharedfs import SharedPaths
     shared = SharedPaths({"CKPTWATCH_SHARED_PATHS": SHARED})
@@ -112,8 +120,9 @@ def _ranks(conn, port: int, ranks: list, window: float, per_node: int,
         conn.send("saved")
 
 
-def _latency(conn, port: int, loops: int) -> None:
+def _latency(conn, port: int, loops: int, cpus=None) -> None:
     """The job's own store traffic: add+get loops on torch's own client, timestamped."""
+    _pin(cpus)
     import torch.distributed as dist
     samples: list = []
     stop = threading.Event()
@@ -200,6 +209,10 @@ def main(argv=None) -> int:
                     help="new connections per second, all processes together")
     ap.add_argument("--off-off", action="store_true",
                     help="noise floor: the 'on' phases run with job scope off too (A/A)")
+    ap.add_argument("--isolate", action="store_true",
+                    help="the store server and the job's loops on CPU 0, the simulated ranks "
+                         "on the other CPUs: on a real cluster the ranks' own CPU is on "
+                         "other hosts, so only their store traffic reaches the server's")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     if args.ranks % args.nodes:
@@ -207,13 +220,21 @@ def main(argv=None) -> int:
     per_node = args.ranks // args.nodes
     ctx = mp.get_context("spawn")
     load = os.getloadavg()
+    store_cpus = rank_cpus = None
+    if args.isolate:
+        cpus = sorted(os.sched_getaffinity(0))
+        if len(cpus) < 2:
+            ap.error("--isolate needs 2 CPUs or more")
+        store_cpus, rank_cpus = {cpus[0]}, set(cpus[1:])
+        _pin(store_cpus)                # this process polls the keys: the server's side
 
     srv_conn, child = ctx.Pipe()
-    server = ctx.Process(target=_server, args=(child,), daemon=True)
+    server = ctx.Process(target=_server, args=(child, store_cpus), daemon=True)
     server.start()
     port = srv_conn.recv()
     lat_conn, child = ctx.Pipe()
-    latency = ctx.Process(target=_latency, args=(child, port, args.loops), daemon=True)
+    latency = ctx.Process(target=_latency, args=(child, port, args.loops, store_cpus),
+                          daemon=True)
     latency.start()
     peak = KeyPeak(port)
     base_conns = _connections(port)
@@ -222,7 +243,7 @@ def main(argv=None) -> int:
         conn, child = ctx.Pipe()
         ranks = list(range(i, args.ranks, args.procs))
         p = ctx.Process(target=_ranks, args=(child, port, ranks, args.window, per_node,
-                                             args.procs / args.connect_rate),
+                                             args.procs / args.connect_rate, rank_cpus),
                         daemon=True)
         p.start()
         workers.append((p, conn))
@@ -271,6 +292,8 @@ def main(argv=None) -> int:
     samples = lat_conn.recv()
     for _, conn in workers:
         conn.send(("quit",))
+    peak.halt.set()                     # before the server stops: no failed poll to print
+    peak.join(5)
     srv_conn.send("stop")
 
     def lat(on: bool) -> tuple:
