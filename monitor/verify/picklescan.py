@@ -300,9 +300,10 @@ def _fits_fast_reader(data: bytes) -> bool:
         elif n == _S_LEN1:
             i += 2 + (data[i + 1] if i + 1 < end else end)
         elif n == _S_LEN4S or n == _S_LEN4U:
-            i += 5 + int.from_bytes(data[i + 1:i + 5], "little", signed=n == _S_LEN4S)
-            if i < 0:
+            length = int.from_bytes(data[i + 1:i + 5], "little", signed=n == _S_LEN4S)
+            if length < 0:              # BINSTRING's is signed: it would step back or stay
                 return False
+            i += 5 + length
         elif n == _S_LEN8U:
             i += 9 + int.from_bytes(data[i + 1:i + 9], "little")
         elif n == _S_LINE or n == _S_LINES2:

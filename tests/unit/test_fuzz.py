@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+import subprocess
 import sys
 import tempfile
 
@@ -223,6 +224,8 @@ _ops = st.one_of(
     st.just(b"\x8c\x07storage"), st.just(b"\x8c\x0ctorch\nFloatStorage"[:0] +
                                            b"ctorch\nFloatStorage\n"),
     st.integers(-2 ** 31, 2 ** 31 - 1).map(lambda n: b"J" + struct.pack("<i", n)),
+    # BINSTRING's length is signed: a negative one must end the check, not loop it
+    st.integers(-2 ** 31, 64).map(lambda n: b"T" + struct.pack("<i", n)),
     # globals, as GLOBAL, INST, STACK_GLOBAL and extension codes (issue 17 item 7)
     st.sampled_from([b"cposix\nsystem\n", b"i__builtin__\neval\n", b"\x93",
                      b"\x82\x01", b"\x83\x01\x00", b"\x84\x01\x00\x00\x00",
@@ -356,6 +359,43 @@ def test_hostile_inputs_stay_under_the_memory_bound():
     assert verdicts["put_bomb.pt"][:2] == (integrity.CORRUPT, "out_of_bounds")
     assert verdicts["sets_careful.pt"][0] == integrity.UNVERIFIABLE
     assert peak is not None and peak < 120 << 20, f"peak RSS {peak >> 20} MiB"
+
+
+_NEGATIVE_LENGTH_SCRIPT = r"""
+import json, os, struct, sys, tempfile
+sys.path.insert(0, sys.argv[1])
+import corpus
+from monitor.verify import integrity
+d = tempfile.mkdtemp()
+for name, length, before in (("stays", -5, b""), ("back", -8, b"N" * 10),
+                             ("far", -2 ** 31, b"N" * 4)):
+    path = os.path.join(d, name + ".pt")
+    with open(path, "wb") as f:
+        f.write(corpus.torch_zip_bytes(b"\x80\x02" + before + b"T" + struct.pack("<i", length)
+                                       + b"N."))
+    v = integrity.verify(path)
+    print(json.dumps([name, v.status, v.reason[:100]]), flush=True)
+"""
+
+
+def test_a_negative_string_length_ends_the_pickle_check():
+    """BINSTRING's length is signed: -5 left the fast reader's pre-check on the same opcode
+    forever, and a longer negative one sent it back to read earlier bytes again -- one
+    hostile checkpoint stopped the agent's verification, at 100 % CPU. Run in a child: on
+    the old code it is the timeout that fails, not the suite that hangs."""
+    here = os.path.dirname(os.path.abspath(corpus.__file__))      # tests/support/
+    try:
+        rc, out, err, _ = corpus.run_measured(["-c", _NEGATIVE_LENGTH_SCRIPT, here],
+                                              env=subprocess_env(), timeout=60)
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"the pickle check never ended: {exc.stdout!r}")
+    assert rc == 0, err
+    verdicts = {name: (status, reason) for name, status, reason in
+                map(json.loads, out.splitlines())}
+    assert set(verdicts) == {"stays", "back", "far"}
+    for name, (status, reason) in verdicts.items():
+        assert status == integrity.CORRUPT, (name, status, reason)
+        assert not reason.startswith("verifier error"), (name, reason)
 
 
 # ---------------------------------------------------------------------------- atheris
