@@ -579,7 +579,8 @@ def _record_storage(pid, found: dict, type_name=_global_name) -> None:
         return
     key, numel = pid[2], pid[4]
     # torch always writes a string key and an int element count: anything else is damage.
-    if not isinstance(key, str) or not isinstance(numel, int) or isinstance(numel, bool):
+    if (not isinstance(key, str) or not isinstance(numel, int) or isinstance(numel, bool)
+            or numel < 0):
         raise ValueError(f"storage id {key!r} without a proper key and size")
     found[key] = (type_name(pid[1]), numel)
 

@@ -3,6 +3,7 @@ positives), hand-made damage, and lookalikes (files torn by real 4-rank torchrun
 tests/e2e/test_integrity.py)."""
 from __future__ import annotations
 
+import collections
 import io
 import json
 import os
@@ -302,6 +303,22 @@ def test_persistent_ids_are_found_without_unpickling():
     assert torchzip.pickle_storages(evil, "x") == {}
     assert picklescan._fast_storages(evil) == {}       # the C reader, not the fallback
     assert not os.path.exists("/tmp/ckptwatch-pwned")
+
+
+def test_a_negative_element_count_is_damage_for_both_readers():
+    """torch writes a storage's element count as a non-negative int; a negative one would be
+    a size taken from a stranger (the legacy format's walk steps back by it)."""
+    import pickle
+
+    class Writer(pickle.Pickler):
+        def persistent_id(self, obj):
+            return ("storage", collections.OrderedDict, "0", "cpu", -3) if obj == "s" else None
+
+    buf = io.BytesIO()
+    Writer(buf, protocol=2).dump({"x": "s"})
+    for reader in (picklescan.pickle_names, lambda d: (picklescan.scan_pickle(d), None)):
+        with pytest.raises(ValueError, match="proper key and size"):
+            reader(buf.getvalue())
 
 
 class _Custom:
