@@ -181,12 +181,17 @@ def test_polling_verifies_what_a_race_left_on_disk(watched):
                                                  else ([], ["ok"]))
 
 
+# The writer holds the file open until the test closes its stdin (it slept 4 s until
+# 2026-12-07, which the blink test waited out; on a loaded machine the blink could also come
+# after it had closed). The reader holds its file open 2 s: under inotify+/proc the read is
+# attributed only by a /proc scan that finds it open, and under fanotify the torn read is
+# found at its close, so no one condition says "long enough".
 WRITER = r"""
-import sys, time
+import sys
 with open(sys.argv[1], "wb") as f:
     f.write(b"x" * 4096); f.flush()
     print("writing", flush=True)
-    time.sleep(4)
+    sys.stdin.readline()
 """
 READER = r"""
 import sys, time
@@ -198,16 +203,25 @@ with open(sys.argv[1], "rb") as f:
 
 @contextlib.contextmanager
 def holding_open(path: str, job: str):
-    """A rank-0 process of `job` that has written `path` and keeps it open (WRITER)."""
+    """A rank-0 process of `job` that has written `path` and keeps it open (WRITER) until
+    its stdin is closed (release())."""
     env = {**_clean_env(), "RANK": "0", "CKPTWATCH_JOB": job}
-    writer = subprocess.Popen([sys.executable, "-c", WRITER, path], stdout=subprocess.PIPE,
-                              text=True, env=env)
+    writer = subprocess.Popen([sys.executable, "-c", WRITER, path], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True, env=env)
     try:
         assert writer.stdout.readline() == "writing\n"
         yield writer
     finally:
         writer.kill()
         writer.wait()
+        writer.stdin.close()
+        writer.stdout.close()
+
+
+def release(holder: subprocess.Popen) -> int:
+    """Let holding_open's writer close its file and exit; its exit code."""
+    holder.stdin.close()
+    return holder.wait(timeout=30)
 
 
 def test_reading_a_checkpoint_while_another_process_writes_it_is_a_torn_read(watched):
@@ -252,7 +266,7 @@ def test_a_write_shorter_than_any_scan_is_still_named(watched):
                                text=True, env={**_clean_env(), "RANK": "1",
                                                "CKPTWATCH_JOB": "blink"}, timeout=30)
         assert blink.stdout == "done\n", blink.stderr
-        writer.wait(timeout=30)
+        assert release(writer) == 0      # the first writer closes: its write ends
         (c,) = wait_for(lambda: collisions(agent, path), timeout=15, message="collision")
         assert c["kind"] == "concurrent" and c["sources"] == ["fs"]
         assert sorted((w["rank"], w["job"]) for w in c["writers"]) == \

@@ -230,22 +230,26 @@ HF_FILES = ("optimizer.pt", "scheduler.pt", "training_args.bin")
 
 
 def check_hf_checkpoint(agents, job: str, directory: str) -> None:
-    for name in HF_FILES:
-        path = os.path.join(directory, name)
-        seen = {}
-        for agent in agents:
-            found = wait_for(lambda: [c for c in on_path(agent, job, "collision", path)
-                                      if c["scope"] == "job"], timeout=60,
-                             message=f"the collision on {name} on {agent.host.name}\n"
-                                     f"{agent.log[-3000:]}")
-            agent.wait_judged()
-            found = on_path(agent, job, "collision", path)
+    # Each agent: every file's job collision, then one wait_judged (everything it received
+    # before is judged: no second collision on any of the files is still to come).
+    seen = {name: {} for name in HF_FILES}
+    for agent in agents:
+        for name in HF_FILES:
+            path = os.path.join(directory, name)
+            wait_for(lambda: [c for c in on_path(agent, job, "collision", path)
+                              if c["scope"] == "job"], timeout=60,
+                     message=f"the collision on {name} on {agent.host.name}\n"
+                             f"{agent.log[-3000:]}")
+        agent.wait_judged()
+        for name in HF_FILES:
+            found = on_path(agent, job, "collision", os.path.join(directory, name))
             assert len(found) == 1, (agent.host.name, name, found)
             assert writers(found[0]) == {("host0", 0), ("host1", 1)}, found[0]["writers"]
             assert all("transformers" in w["site"] for w in found[0]["writers"])
-            seen[agent.host.name] = found[0]
-        assert len({c["id"] for c in seen.values()}) == 1, (name, seen)
-        assert len({c["kind"] for c in seen.values()}) == 1, (name, seen)
+            seen[name][agent.host.name] = found[0]
+    for name, by_host in seen.items():
+        assert len({c["id"] for c in by_host.values()}) == 1, (name, by_host)
+        assert len({c["kind"] for c in by_host.values()}) == 1, (name, by_host)
 
 
 def test_transformers_save_on_each_node_is_a_job_collision_on_every_host(agents, hf_job):
