@@ -201,21 +201,29 @@ class ProcScanner:
     # ------------------------------------------------------------------ public API
 
     def holders_of(self, path: str, candidates: Iterable | None = None,
-                   changed_after: float | None = None) -> list[Holder]:
+                   changed_after: float | None = None,
+                   since: float | None = None) -> list[Holder]:
         """Every process holding `path` open (readers and writers), one entry per fd.
 
         candidates: pids or psutil.Process objects to scan instead of the cached candidate
         list (no fallback then). changed_after: monotonic time at which a change to the path
         (an open, a close) was seen; a cached result from a scan that began before it is not
-        reused.
+        reused, one that began at or after it is, whatever its age (it saw the path as the
+        change left it; a later change comes with a later time). since: the time of a
+        change that needs no fresh scan of its own (a write): a result younger than
+        `min_interval`, or from a scan begun at or after `since`, is reused. Reusing what a
+        scan begun after an event saw is what keeps a backlog of one save's events (create,
+        open, writes, close: queued behind a slow scan) from costing one walk each.
         """
         path = os.path.abspath(path)
         with self._lock:
             now = self._clock()
             if candidates is None:
                 cached = self._results.get(path)
-                if cached is not None and now - cached[0] < self._min_interval and (
-                        changed_after is None or cached[0] >= changed_after):
+                if cached is not None and (
+                        cached[0] >= changed_after if changed_after is not None else
+                        now - cached[0] < self._min_interval
+                        or (since is not None and cached[0] >= since)):
                     self._stats["cache_hits"] += 1
                     return list(cached[1])
             started = time.perf_counter()
@@ -256,15 +264,17 @@ class ProcScanner:
             return Holder(Writer(self.node, pid), mode)
 
     def writers_of(self, path: str, candidates: Iterable | None = None,
-                   changed_after: float | None = None) -> list[Holder]:
+                   changed_after: float | None = None,
+                   since: float | None = None) -> list[Holder]:
         """Processes holding `path` open with a write mode (one entry per process)."""
-        return _per_pid([p for p in self.holders_of(path, candidates, changed_after)
+        return _per_pid([p for p in self.holders_of(path, candidates, changed_after, since)
                          if p.writing])
 
     def readers_of(self, path: str, candidates: Iterable | None = None,
-                   changed_after: float | None = None) -> list[Holder]:
+                   changed_after: float | None = None,
+                   since: float | None = None) -> list[Holder]:
         """Processes holding `path` open read-only and not also for writing (torn reads)."""
-        holders = self.holders_of(path, candidates, changed_after)
+        holders = self.holders_of(path, candidates, changed_after, since)
         writing = {p.pid for p in holders if p.writing}
         return _per_pid([p for p in holders if not p.writing and p.pid not in writing])
 
