@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 
@@ -565,12 +566,12 @@ def test_attribute_does_not_look_again_at_an_open_older_than_the_retry_delay():
     now, so the one scan (begun after open + delay) is the answer, with no sleep."""
     t = WriteTracker()
     t.observe(_ev("opened", "/c/a.pt", 0), [_proc(1)])
-    scanner = _ScriptedScanner([_proc(1)])
+    scanner = _ScriptedScanner([_proc(1)], [_proc(1)])
     slept = []
-    late = 1001.0 + fstracker.OPEN_RETRY_DELAY
-    assert fstracker.attribute(_ev("opened", "/c/a.pt", 0, 1), t, scanner, sleep=slept.append,
-                               clock=lambda: late) == []
-    assert slept == [] and scanner.calls == [(late, None)]
+    ev = FsEvent("opened", "/c/a.pt", 0, time.monotonic() - 1.0, time.time())  # taken late
+    assert fstracker.attribute(ev, t, scanner, sleep=slept.append) == []
+    assert slept == [] and len(scanner.calls) == 1
+    assert scanner.calls[0][0] >= ev.mono + fstracker.OPEN_RETRY_DELAY
 
 
 def test_rescan_reconciles_writers_missed_and_closes_lost(tmp_path):
