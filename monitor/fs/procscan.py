@@ -13,9 +13,13 @@ Cost bounds (an agent may serve a node with thousands of processes):
   list is re-checked every `refresh_interval` seconds (reused pids). When no candidate
   holds the path and `full_scan_fallback` is on, every other process is scanned once
   (counted as a full scan): that is how a C++ or shell writer is still attributed;
+- a process is looked at with one readlink per descriptor, and only a matching one has
+  its fdinfo read (_proc_fd_opens); candidates are walked likeliest writer first
+  (_ordered): a scan finds a short save's writer only if it reaches that process before
+  the save closes its file;
 - per path, a result younger than `min_interval` is reused, unless the caller says the path
   changed (was opened or closed) after that scan began (`changed_after`): a change we have
-  not scanned for yet always gets a fresh scan;
+  not scanned for yet always gets a fresh scan, and a scan begun after it answers for it;
 - environments are read once per process (keyed by pid and start time, so a reused pid is
   not mistaken for the old process);
 - processes that vanish or deny access are skipped and counted, never raised.
@@ -32,6 +36,7 @@ import os
 import socket
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
@@ -66,6 +71,7 @@ WRITE_MODES = frozenset({"w", "a", "r+", "a+", "w+"})
 
 _O_ACCMODE = os.O_ACCMODE
 _ENV_CACHE_CAP = 4096
+_WRITERS_CAP = 1024
 
 
 @dataclass(frozen=True)
@@ -112,23 +118,35 @@ def mode_from_flags(flags: int) -> str:
     return "a+" if flags & os.O_APPEND else "r+"
 
 
-def _proc_fd_opens(pid: int, path: str) -> list[tuple[int, str]]:
-    """(fd, mode) of `pid`'s descriptors open on `path`, from /proc (fallback for psutil).
+def _proc_fd_opens(pid: int, path: str, prefix: str | None = None
+                   ) -> list[tuple[int, str]] | list[tuple[str, int, str]]:
+    """(fd, mode) of `pid`'s descriptors open on `path`, read from /proc directly.
 
-    Reads the fd symlinks and only the matching fds' fdinfo, whose `flags:` line is octal.
+    One readlink per descriptor, and the fdinfo (its `flags:` line, octal) of a matching one
+    only: psutil's open_files() also stats every target and reads every regular file's
+    fdinfo, ~7x the cost on a node whose processes hold many files (docs/decisions.md,
+    "Naming the writer of a short save"). With `prefix`, every descriptor whose target lies
+    below it instead, as (target, fd, mode). A link target is a stranger's string: it is only
+    compared, never opened; fd names come from the kernel's own directory and are checked to
+    be numbers before one is used in a path.
     """
-    found = []
+    found: list = []
     fd_dir = f"/proc/{pid}/fd"
     for name in os.listdir(fd_dir):
+        if not name.isdigit():
+            continue
         try:
-            if os.readlink(f"{fd_dir}/{name}") != path:
+            target = os.readlink(f"{fd_dir}/{name}")
+            if target != path if prefix is None else not target.startswith(prefix):
                 continue
-            with open(f"/proc/{pid}/fdinfo/{name}") as f:
+            with open(f"/proc/{pid}/fdinfo/{name}", encoding="ascii", errors="replace") as f:
                 for line in f:
                     if line.startswith("flags:"):
-                        found.append((int(name), mode_from_flags(int(line.split()[1], 8))))
+                        mode = mode_from_flags(int(line.split()[1], 8))
+                        found.append((int(name), mode) if prefix is None
+                                     else (target, int(name), mode))
                         break
-        except (FileNotFoundError, ProcessLookupError, ValueError):
+        except (FileNotFoundError, ProcessLookupError, ValueError, IndexError):
             continue   # the fd was closed while we looked
     return found
 
@@ -163,6 +181,10 @@ class ProcScanner:
         # (pid, start time) -> (Writer, cmdline), read once per process.
         self._env_cache: dict[tuple[int, float], tuple[Writer, tuple]] = {}
         self._last_by_pid: dict[int, tuple] = {}    # for describe() after the process exits
+        # Scan order (_ordered): pid -> create time of processes seen writing a scanned path,
+        # the latest last (at most _WRITERS_CAP), and each candidate's parent pid.
+        self._writers: OrderedDict[int, float] = OrderedDict()
+        self._parents: dict[int, int] = {}
         self._results: dict[str, tuple[float, list[Holder]]] = {}
         self._stats = {"scans": 0, "last_seconds": 0.0, "total_seconds": 0.0, "errors": 0,
                        "denied": 0, "vanished": 0, "cache_hits": 0, "full_scans": 0,
@@ -183,21 +205,29 @@ class ProcScanner:
     # ------------------------------------------------------------------ public API
 
     def holders_of(self, path: str, candidates: Iterable | None = None,
-                   changed_after: float | None = None) -> list[Holder]:
+                   changed_after: float | None = None,
+                   since: float | None = None) -> list[Holder]:
         """Every process holding `path` open (readers and writers), one entry per fd.
 
         candidates: pids or psutil.Process objects to scan instead of the cached candidate
         list (no fallback then). changed_after: monotonic time at which a change to the path
         (an open, a close) was seen; a cached result from a scan that began before it is not
-        reused.
+        reused, one that began at or after it is, whatever its age (it saw the path as the
+        change left it; a later change comes with a later time). since: the time of a
+        change that needs no fresh scan of its own (a write): a result younger than
+        `min_interval`, or from a scan begun at or after `since`, is reused. Reusing what a
+        scan begun after an event saw is what keeps a backlog of one save's events (create,
+        open, writes, close: queued behind a slow scan) from costing one walk each.
         """
         path = os.path.abspath(path)
         with self._lock:
             now = self._clock()
             if candidates is None:
                 cached = self._results.get(path)
-                if cached is not None and now - cached[0] < self._min_interval and (
-                        changed_after is None or cached[0] >= changed_after):
+                if cached is not None and (
+                        cached[0] >= changed_after if changed_after is not None else
+                        now - cached[0] < self._min_interval
+                        or (since is not None and cached[0] >= since)):
                     self._stats["cache_hits"] += 1
                     return list(cached[1])
             started = time.perf_counter()
@@ -238,15 +268,17 @@ class ProcScanner:
             return Holder(Writer(self.node, pid), mode)
 
     def writers_of(self, path: str, candidates: Iterable | None = None,
-                   changed_after: float | None = None) -> list[Holder]:
+                   changed_after: float | None = None,
+                   since: float | None = None) -> list[Holder]:
         """Processes holding `path` open with a write mode (one entry per process)."""
-        return _per_pid([p for p in self.holders_of(path, candidates, changed_after)
+        return _per_pid([p for p in self.holders_of(path, candidates, changed_after, since)
                          if p.writing])
 
     def readers_of(self, path: str, candidates: Iterable | None = None,
-                   changed_after: float | None = None) -> list[Holder]:
+                   changed_after: float | None = None,
+                   since: float | None = None) -> list[Holder]:
         """Processes holding `path` open read-only and not also for writing (torn reads)."""
-        holders = self.holders_of(path, candidates, changed_after)
+        holders = self.holders_of(path, candidates, changed_after, since)
         writing = {p.pid for p in holders if p.writing}
         return _per_pid([p for p in holders if not p.writing and p.pid not in writing])
 
@@ -265,9 +297,9 @@ class ProcScanner:
                 self._update_candidates(self._clock(), full=False)
                 for proc in [p for p in self._known.values() if p is not None]:
                     try:
-                        opens = [(f.path, f.fd, f.mode) for f in proc.open_files()
-                                 if f.path.startswith(prefix) and (match is None
-                                                                   or match(f.path))]
+                        opens = [(path, fd, mode) for path, fd, mode
+                                 in self._opens_under(proc, prefix)
+                                 if match is None or match(path)]
                         if not opens:
                             continue
                         ident = self._identity(proc)
@@ -301,14 +333,38 @@ class ProcScanner:
         if candidates is not None:
             procs = [c if isinstance(c, psutil.Process) else _process(c) for c in candidates]
             return self._scan_procs(path, [p for p in procs if p is not None])
-        if now - self._full_at >= self._refresh_interval:
+        # The full refresh (every process classified again: ~15 ms of CPU on 130 processes,
+        # 60 ms at load 6) comes after the walk, not before: a short save's writer is met
+        # first. A pid reused by a new writer since the last one is found by the fallback.
+        full = now - self._full_at >= self._refresh_interval
+        if full and not self._known:     # nothing classified yet: nothing to walk first
             self._update_candidates(now, full=True)
-        elif changed or now - self._update_at >= self._min_refresh:
+            full = False
+        elif full or changed or now - self._update_at >= self._min_refresh:
             # A change we have not scanned for may come from a process started a moment ago.
             self._update_candidates(now, full=False)
-        found = self._scan_procs(path, [p for p in self._known.values() if p is not None])
-        if found or not self._full_scan_fallback:
-            return found
+        try:
+            found = self._scan_procs(path, self._ordered(
+                [p for p in self._known.values() if p is not None]))
+            if found or not self._full_scan_fallback:
+                return found
+            return self._fallback(path)
+        finally:
+            if full:
+                self._update_candidates(self._clock(), full=True)
+
+    def refresh(self, force: bool = False) -> bool:
+        """Classify every process again if `refresh_interval` passed (or `force`): what the
+        agent's attribution thread does when it has nothing else to do, and before its first
+        event, so a scan for a change rarely pays for it. True if it ran."""
+        with self._lock:
+            now = self._clock()
+            if not force and now - self._full_at < self._refresh_interval:
+                return False
+            self._update_candidates(now, full=True)
+            return True
+
+    def _fallback(self, path: str) -> list[Holder]:
         self._stats["full_scans"] += 1
         others = []
         for pid in psutil.pids():
@@ -316,7 +372,36 @@ class ProcScanner:
                 proc = _process(pid)
                 if proc is not None:
                     others.append(proc)
-        return self._scan_procs(path, others)
+        return self._scan_procs(path, self._ordered(others))
+
+    def _ordered(self, procs: list) -> list:
+        """`procs` in the order a short save's writer is likeliest to be met in: a scan finds
+        a writer only if the writer still holds the file when the scan reaches *it*, and a
+        walk of a node's processes takes longer than a small save (docs/decisions.md,
+        "Naming the writer of a short save"). First the processes seen writing a scanned
+        file, the latest first (a job saves again and again); then their siblings (the other
+        ranks of a launcher), newest first; then everyone else, newest first (a job that
+        just started, not the daemons that have run for days). Costs a sort of the
+        candidates: their create times are cached by psutil.
+        """
+        writers = self._writers
+        recent = {pid: i for i, pid in enumerate(reversed(writers))}
+        parents = {self._parents.get(pid) for pid in writers} - {None, 0, 1}
+
+        def key(proc):
+            pid = proc.pid
+            i = recent.get(pid)
+            if i is not None and writers[pid] == _create_time(proc):
+                return (0, i)
+            return (1 if self._parents.get(pid) in parents else 2, -_create_time(proc))
+        return sorted(procs, key=key)
+
+    def _wrote(self, proc: psutil.Process) -> None:
+        """`proc` was found holding a scanned path for writing: scanned first from now on."""
+        self._writers[proc.pid] = _create_time(proc)
+        self._writers.move_to_end(proc.pid)
+        if len(self._writers) > _WRITERS_CAP:
+            self._writers.popitem(last=False)
 
     def _update_candidates(self, now: float, full: bool) -> None:
         """Classify processes started since the last update (all of them when `full`).
@@ -329,6 +414,8 @@ class ProcScanner:
         if full:
             self._known = {pid: p for pid, p in self._known.items()
                            if p is not None and _alive(p)}
+            self._parents = {pid: pp for pid, pp in self._parents.items()
+                             if pid in self._known}
             self._full_at = now
             self._stats["refreshes"] += 1
         else:
@@ -336,6 +423,7 @@ class ProcScanner:
         self._update_at = now
         for pid in [pid for pid in self._known if pid not in pids]:
             del self._known[pid]
+            self._parents.pop(pid, None)
         for pid in pids:
             if pid in self._known:
                 continue
@@ -353,7 +441,15 @@ class ProcScanner:
                 cmdline = proc.cmdline()
             except psutil.Error:
                 cmdline = []
-            self._known[pid] = proc if self._candidate(name, cmdline) else None
+            if self._candidate(name, cmdline):
+                self._known[pid] = proc
+                try:
+                    self._parents[pid] = proc.ppid()
+                except psutil.Error:
+                    pass
+            else:
+                self._known[pid] = None
+                self._parents.pop(pid, None)
         self._stats["candidates"] = sum(1 for p in self._known.values() if p is not None)
         if full:
             live = {(p.pid, _create_time(p)) for p in self._known.values() if p is not None}
@@ -370,6 +466,8 @@ class ProcScanner:
                 ident = self._identity(proc)
                 for fd, mode in opens:
                     found.append(_holder(mode, fd, ident))
+                if any(mode in WRITE_MODES for _, mode in opens):
+                    self._wrote(proc)
             except psutil.NoSuchProcess:
                 self._stats["vanished"] += 1
             except psutil.AccessDenied:
@@ -379,16 +477,19 @@ class ProcScanner:
         return found
 
     def _opens(self, proc: psutil.Process, path: str) -> list[tuple[int, str]]:
+        """(fd, mode) of `proc`'s descriptors on `path` (one readlink per descriptor)."""
         try:
-            files = proc.open_files()
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            raise
-        except Exception:
-            files = None
-        if files is not None and all(hasattr(f, "mode") for f in files):
-            return [(f.fd, f.mode) for f in files if f.path == path]
-        try:   # psutil failed or has no modes here: read the flags from /proc ourselves
             return _proc_fd_opens(proc.pid, path)
+        except FileNotFoundError as exc:
+            raise psutil.NoSuchProcess(proc.pid) from exc
+        except PermissionError as exc:
+            raise psutil.AccessDenied(proc.pid) from exc
+
+    def _opens_under(self, proc: psutil.Process, prefix: str) -> list[tuple[str, int, str]]:
+        """(path, fd, mode) of `proc`'s descriptors on files below `prefix`."""
+        try:
+            return [(path, fd, mode) for path, fd, mode in _proc_fd_opens(proc.pid, "", prefix)
+                    if not path.endswith(" (deleted)")]
         except FileNotFoundError as exc:
             raise psutil.NoSuchProcess(proc.pid) from exc
         except PermissionError as exc:

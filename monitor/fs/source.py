@@ -24,6 +24,9 @@ from monitor.fs.options import ATTRIBUTIONS
 
 log = logging.getLogger("ckptwatch.fs")
 
+# With /proc attribution, the attribution thread re-classifies the node's processes when it
+# has had nothing to do for this long and the scanner's refresh is due (ProcScanner.refresh).
+IDLE_REFRESH = 1.0
 MAX_QUEUED = 100_000        # FsEvents waiting for attribution; beyond: dropped and counted
 MAX_KNOWN = 10_000          # paths whose version last due for verification is remembered
 FILE_CLOSED = "file_closed" # delivered for every finished write: verify the file
@@ -168,8 +171,20 @@ class FsSource:
             self.dropped_total += 1
 
     def _run(self) -> None:
+        proc = self.fan is None
+        if proc:
+            # Classify the node's processes before the first event, not during its scan.
+            self.scanner.refresh(force=True)
         while True:
-            item = self._queue.get()
+            try:
+                item = self._queue.get(timeout=IDLE_REFRESH if proc else None)
+            except queue.Empty:
+                try:
+                    self.scanner.refresh()     # when due, while nothing waits
+                except Exception:
+                    self.errors_total += 1
+                    log.exception("process list refresh failed")
+                continue
             if item is None:
                 return
             try:

@@ -353,20 +353,29 @@ OPEN_RETRY_DELAY = 0.005
 
 
 def attribute(ev: FsEvent, tracker: WriteTracker, scanner,
-              sleep: Callable[[float], None] = time.sleep) -> list:
+              sleep: Callable[[float], None] = time.sleep,
+              clock: Callable[[], float] = time.monotonic) -> list:
     """The glue the agent runs per FsEvent: procscan when the tracker needs it, then track.
 
-    scanner: a procscan.ProcScanner. For opens and closes a result cached from before the
-    event is not reused; for writes the scanner's per-path rate limit applies. Runs on the
-    caller's thread and may sleep OPEN_RETRY_DELAY once per open.
+    scanner: a procscan.ProcScanner. For opens and closes a result from a scan begun before
+    the event is not reused (one begun after it is: it saw what the event left); for writes
+    the scanner's per-path rate limit applies, or a scan begun after the write. Runs on the
+    caller's thread and may sleep OPEN_RETRY_DELAY once per open: only when the open is
+    younger than that, since the fd of an open older than that is surely in /proc.
     """
     holders = None
     if tracker.needs_attribution(ev):
-        exact = ev.kind in (OPENED, CLOSED_WRITE, CLOSED_NOWRITE)
-        holders = scanner.holders_of(ev.target, changed_after=ev.mono if exact else None)
-        if ev.kind == OPENED and {p.pid for p in holders} <= tracker.holding(ev.target):
-            sleep(OPEN_RETRY_DELAY)
-            holders = scanner.holders_of(ev.target, changed_after=float("inf"))
+        if ev.kind == OPENED:
+            settled = ev.mono + OPEN_RETRY_DELAY
+            late = clock() >= settled
+            holders = scanner.holders_of(ev.target, changed_after=settled if late else ev.mono)
+            if not late and {p.pid for p in holders} <= tracker.holding(ev.target):
+                sleep(OPEN_RETRY_DELAY)
+                holders = scanner.holders_of(ev.target, changed_after=float("inf"))
+        elif ev.kind in (CLOSED_WRITE, CLOSED_NOWRITE):
+            holders = scanner.holders_of(ev.target, changed_after=ev.mono)
+        else:
+            holders = scanner.holders_of(ev.target, since=ev.mono)
         # Size as of after the scan: a writer the scan no longer finds has finished, and its
         # end event carries this size (the event's own stat may predate its last writes).
         ev = replace(ev, size=_size(ev.target))

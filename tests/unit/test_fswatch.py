@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 
@@ -539,8 +540,8 @@ class _ScriptedScanner:
         self.answers = list(answers)
         self.calls = []
 
-    def holders_of(self, path, changed_after=None):
-        self.calls.append(changed_after)
+    def holders_of(self, path, changed_after=None, since=None):
+        self.calls.append((changed_after, since))
         return self.answers.pop(0)
 
 
@@ -549,14 +550,28 @@ def test_attribute_looks_again_when_an_open_shows_nobody_new():
     t.observe(_ev("opened", "/c/a.pt", 0), [_proc(1)])
     scanner = _ScriptedScanner([_proc(1)], [_proc(1), _proc(2)])
     slept = []
-    out = fstracker.attribute(_ev("opened", "/c/a.pt", 0, 1), t, scanner, sleep=slept.append)
+    out = fstracker.attribute(_ev("opened", "/c/a.pt", 0, 1), t, scanner, sleep=slept.append,
+                              clock=lambda: 1001.0)
     assert [(e["type"], e["pid"]) for e in out] == [("start", 2)]
-    assert slept == [fstracker.OPEN_RETRY_DELAY] and scanner.calls[0] == 1001.0
-    # A write reuses the scanner's rate-limited result; no retry.
+    assert slept == [fstracker.OPEN_RETRY_DELAY] and scanner.calls[0] == (1001.0, None)
+    # A write reuses the scanner's rate-limited result, or a scan begun after it; no retry.
     scanner = _ScriptedScanner([_proc(1), _proc(2)])
     assert fstracker.attribute(_ev("modified", "/c/a.pt", 9, 2), t, scanner, sleep=slept.append) \
         == []
-    assert scanner.calls == [None] and len(slept) == 1
+    assert scanner.calls == [(None, 1002.0)] and len(slept) == 1
+
+
+def test_attribute_does_not_look_again_at_an_open_older_than_the_retry_delay():
+    """Taken from the queue late (behind slow scans): the fd of that open is in /proc by
+    now, so the one scan (begun after open + delay) is the answer, with no sleep."""
+    t = WriteTracker()
+    t.observe(_ev("opened", "/c/a.pt", 0), [_proc(1)])
+    scanner = _ScriptedScanner([_proc(1)], [_proc(1)])
+    slept = []
+    ev = FsEvent("opened", "/c/a.pt", 0, time.monotonic() - 1.0, time.time())  # taken late
+    assert fstracker.attribute(ev, t, scanner, sleep=slept.append) == []
+    assert slept == [] and len(scanner.calls) == 1
+    assert scanner.calls[0][0] >= ev.mono + fstracker.OPEN_RETRY_DELAY
 
 
 def test_rescan_reconciles_writers_missed_and_closes_lost(tmp_path):
