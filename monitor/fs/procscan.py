@@ -70,6 +70,11 @@ CANDIDATE_PREFIXES = ("python", "pypy", "ipython", "jupyter")
 WRITE_MODES = frozenset({"w", "a", "r+", "a+", "w+"})
 
 _O_ACCMODE = os.O_ACCMODE
+# Descriptors of one process looked at per walk: a local user's process holding a million
+# (RLIMIT_NOFILE allows it) would make every scan of the node take seconds. A writer whose
+# checkpoint's descriptor lies past the first MAX_FDS_WALKED is not named (counted in
+# stats()["fds_capped"]); a training process holds far fewer.
+MAX_FDS_WALKED = 65_536
 _ENV_CACHE_CAP = 4096
 _WRITERS_CAP = 1024
 
@@ -118,7 +123,7 @@ def mode_from_flags(flags: int) -> str:
     return "a+" if flags & os.O_APPEND else "r+"
 
 
-def _proc_fd_opens(pid: int, path: str, prefix: str | None = None
+def _proc_fd_opens(pid: int, path: str, prefix: str | None = None, capped: list | None = None
                    ) -> list[tuple[int, str]] | list[tuple[str, int, str]]:
     """(fd, mode) of `pid`'s descriptors open on `path`, read from /proc directly.
 
@@ -128,26 +133,34 @@ def _proc_fd_opens(pid: int, path: str, prefix: str | None = None
     "Naming the writer of a short save"). With `prefix`, every descriptor whose target lies
     below it instead, as (target, fd, mode). A link target is a stranger's string: it is only
     compared, never opened; fd names come from the kernel's own directory and are checked to
-    be numbers before one is used in a path.
+    be numbers before one is used in a path. At most MAX_FDS_WALKED descriptors are looked
+    at; past them `pid` is appended to `capped`.
     """
     found: list = []
     fd_dir = f"/proc/{pid}/fd"
-    for name in os.listdir(fd_dir):
-        if not name.isdigit():
-            continue
-        try:
-            target = os.readlink(f"{fd_dir}/{name}")
-            if target != path if prefix is None else not target.startswith(prefix):
+    with os.scandir(fd_dir) as entries:         # an iterator: never a list of them all
+        for walked, entry in enumerate(entries):
+            if walked >= MAX_FDS_WALKED:
+                if capped is not None:
+                    capped.append(pid)
+                break
+            name = entry.name
+            if not name.isdigit():
                 continue
-            with open(f"/proc/{pid}/fdinfo/{name}", encoding="ascii", errors="replace") as f:
-                for line in f:
-                    if line.startswith("flags:"):
-                        mode = mode_from_flags(int(line.split()[1], 8))
-                        found.append((int(name), mode) if prefix is None
-                                     else (target, int(name), mode))
-                        break
-        except (FileNotFoundError, ProcessLookupError, ValueError, IndexError):
-            continue   # the fd was closed while we looked
+            try:
+                target = os.readlink(f"{fd_dir}/{name}")
+                if target != path if prefix is None else not target.startswith(prefix):
+                    continue
+                with open(f"/proc/{pid}/fdinfo/{name}", encoding="ascii",
+                          errors="replace") as f:
+                    for line in f:
+                        if line.startswith("flags:"):
+                            mode = mode_from_flags(int(line.split()[1], 8))
+                            found.append((int(name), mode) if prefix is None
+                                         else (target, int(name), mode))
+                            break
+            except (FileNotFoundError, ProcessLookupError, ValueError, IndexError):
+                continue   # the fd was closed while we looked
     return found
 
 
@@ -188,7 +201,7 @@ class ProcScanner:
         self._results: dict[str, tuple[float, list[Holder]]] = {}
         self._stats = {"scans": 0, "last_seconds": 0.0, "total_seconds": 0.0, "errors": 0,
                        "denied": 0, "vanished": 0, "cache_hits": 0, "full_scans": 0,
-                       "candidates": 0, "refreshes": 0, "updates": 0}
+                       "candidates": 0, "refreshes": 0, "updates": 0, "fds_capped": 0}
 
     def _denied(self) -> None:
         """The kernel refused a process's /proc/<pid>/fd or environ: counted, and said once.
@@ -323,7 +336,8 @@ class ProcScanner:
 
     def stats(self) -> dict:
         """scans, last_seconds, total_seconds, errors, plus denied, vanished, cache_hits,
-        full_scans, candidates, refreshes (full), updates (incremental)."""
+        full_scans, candidates, refreshes (full), updates (incremental), fds_capped (walks
+        of one process stopped at MAX_FDS_WALKED descriptors)."""
         with self._lock:
             return dict(self._stats)
 
@@ -479,7 +493,7 @@ class ProcScanner:
     def _opens(self, proc: psutil.Process, path: str) -> list[tuple[int, str]]:
         """(fd, mode) of `proc`'s descriptors on `path` (one readlink per descriptor)."""
         try:
-            return _proc_fd_opens(proc.pid, path)
+            return self._counted(_proc_fd_opens, proc.pid, path)
         except FileNotFoundError as exc:
             raise psutil.NoSuchProcess(proc.pid) from exc
         except PermissionError as exc:
@@ -488,12 +502,21 @@ class ProcScanner:
     def _opens_under(self, proc: psutil.Process, prefix: str) -> list[tuple[str, int, str]]:
         """(path, fd, mode) of `proc`'s descriptors on files below `prefix`."""
         try:
-            return [(path, fd, mode) for path, fd, mode in _proc_fd_opens(proc.pid, "", prefix)
+            return [(path, fd, mode) for path, fd, mode
+                    in self._counted(_proc_fd_opens, proc.pid, "", prefix)
                     if not path.endswith(" (deleted)")]
         except FileNotFoundError as exc:
             raise psutil.NoSuchProcess(proc.pid) from exc
         except PermissionError as exc:
             raise psutil.AccessDenied(proc.pid) from exc
+
+    def _counted(self, walk, *args) -> list:
+        """walk(*args) (_proc_fd_opens), counting a walk stopped at MAX_FDS_WALKED."""
+        capped: list = []
+        found = walk(*args, capped=capped)
+        if capped:
+            self._stats["fds_capped"] += 1
+        return found
 
     def _identity(self, proc: psutil.Process) -> tuple[Writer, tuple]:
         """(the Writer the process's environment names, its command line)."""

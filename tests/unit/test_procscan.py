@@ -289,3 +289,32 @@ def test_a_due_refresh_comes_after_the_walk_not_before_it(tmp_path):
     assert ("update", True) in calls
     assert calls.index(("walk", h.pid)) < calls.index(("update", True)), calls
     assert scanner.refresh() is False                          # not due again yet
+
+
+# Holds argv[1] open for writing after opening argv[2] descriptors on /dev/null, then waits.
+MANY_FDS = r"""
+import os, sys
+spare = [os.open("/dev/null", os.O_RDONLY) for _ in range(int(sys.argv[2]))]
+f = open(sys.argv[1], "wb")
+print("ready", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_process_holding_many_descriptors_costs_a_bounded_walk(tmp_path, monkeypatch):
+    """A local user's process may hold a million descriptors: a walk of it stops at
+    MAX_FDS_WALKED (counted), so it cannot make every scan of the node take seconds. The
+    checkpoint opened past the bound is not named: the cost of the bound, stated."""
+    monkeypatch.setattr(procscan, "MAX_FDS_WALKED", 200, raising=False)   # old code: no bound
+    looked = []
+    real_readlink = os.readlink
+    monkeypatch.setattr(procscan.os, "readlink",
+                        lambda p, *a, **k: (looked.append(p), real_readlink(p, *a, **k))[1])
+    path = str(tmp_path / "late.pt")
+    with Holder(path, argv=[sys.executable, "-c", MANY_FDS, path, "1000"]) as h:
+        scanner = ProcScanner()
+        holders = scanner.holders_of(path, candidates=[h.pid])
+    mine = [p for p in looked if p.startswith(f"/proc/{h.pid}/")]
+    assert len(mine) <= 200, len(mine)
+    assert holders == []
+    assert scanner.stats()["fds_capped"] == 1
