@@ -114,7 +114,7 @@ def is_candidate(name: str, cmdline: list | tuple | None) -> bool:
 
 
 def mode_from_flags(flags: int) -> str:
-    """psutil's mode string for open(2) flags (the fdinfo fallback uses it too)."""
+    """psutil's mode string for open(2) flags (read from a descriptor's fdinfo)."""
     acc = flags & _O_ACCMODE
     if acc == os.O_RDONLY:
         return "r"
@@ -124,14 +124,14 @@ def mode_from_flags(flags: int) -> str:
 
 
 def _proc_fd_opens(pid: int, path: str, prefix: str | None = None, capped: list | None = None
-                   ) -> list[tuple[int, str]] | list[tuple[str, int, str]]:
-    """(fd, mode) of `pid`'s descriptors open on `path`, read from /proc directly.
+                   ) -> list[tuple[str, int, str]]:
+    """(target, fd, mode) of `pid`'s descriptors open on `path`, read from /proc directly.
 
     One readlink per descriptor, and the fdinfo (its `flags:` line, octal) of a matching one
     only: psutil's open_files() also stats every target and reads every regular file's
     fdinfo, ~7x the cost on a node whose processes hold many files (docs/decisions.md,
     "Naming the writer of a short save"). With `prefix`, every descriptor whose target lies
-    below it instead, as (target, fd, mode). A link target is a stranger's string: it is only
+    below it instead. A link target is a stranger's string: it is only
     compared, never opened; fd names come from the kernel's own directory and are checked to
     be numbers before one is used in a path. At most MAX_FDS_WALKED descriptors are looked
     at; past them `pid` is appended to `capped`.
@@ -156,8 +156,7 @@ def _proc_fd_opens(pid: int, path: str, prefix: str | None = None, capped: list 
                     for line in f:
                         if line.startswith("flags:"):
                             mode = mode_from_flags(int(line.split()[1], 8))
-                            found.append((int(name), mode) if prefix is None
-                                         else (target, int(name), mode))
+                            found.append((target, int(name), mode))
                             break
             except (FileNotFoundError, ProcessLookupError, ValueError, IndexError):
                 continue   # the fd was closed while we looked
@@ -245,7 +244,7 @@ class ProcScanner:
                     return list(cached[1])
             started = time.perf_counter()
             try:
-                # open_files() reports resolved paths (the fd's /proc link).
+                # A descriptor's /proc link names the resolved path.
                 found = self._scan(os.path.realpath(path), candidates, now,
                                    changed_after is not None)
             finally:
@@ -492,28 +491,23 @@ class ProcScanner:
 
     def _opens(self, proc: psutil.Process, path: str) -> list[tuple[int, str]]:
         """(fd, mode) of `proc`'s descriptors on `path` (one readlink per descriptor)."""
-        try:
-            return self._counted(_proc_fd_opens, proc.pid, path)
-        except FileNotFoundError as exc:
-            raise psutil.NoSuchProcess(proc.pid) from exc
-        except PermissionError as exc:
-            raise psutil.AccessDenied(proc.pid) from exc
+        return [(fd, mode) for _, fd, mode in self._walk(proc, path)]
 
     def _opens_under(self, proc: psutil.Process, prefix: str) -> list[tuple[str, int, str]]:
         """(path, fd, mode) of `proc`'s descriptors on files below `prefix`."""
+        return [opened for opened in self._walk(proc, "", prefix)
+                if not opened[0].endswith(" (deleted)")]
+
+    def _walk(self, proc: psutil.Process, path: str, prefix: str | None = None) -> list:
+        """_proc_fd_opens for `proc`, in psutil's exceptions, counting a walk stopped at
+        MAX_FDS_WALKED."""
+        capped: list = []
         try:
-            return [(path, fd, mode) for path, fd, mode
-                    in self._counted(_proc_fd_opens, proc.pid, "", prefix)
-                    if not path.endswith(" (deleted)")]
+            found = _proc_fd_opens(proc.pid, path, prefix, capped)
         except FileNotFoundError as exc:
             raise psutil.NoSuchProcess(proc.pid) from exc
         except PermissionError as exc:
             raise psutil.AccessDenied(proc.pid) from exc
-
-    def _counted(self, walk, *args) -> list:
-        """walk(*args) (_proc_fd_opens), counting a walk stopped at MAX_FDS_WALKED."""
-        capped: list = []
-        found = walk(*args, capped=capped)
         if capped:
             self._stats["fds_capped"] += 1
         return found

@@ -153,13 +153,13 @@ def test_process_started_after_the_last_refresh_is_found(tmp_path):
             assert stats["refreshes"] == 1 and stats["updates"] >= 1
 
 
-def test_fdinfo_fallback_agrees_with_psutil(tmp_path):
+def test_fdinfo_modes_of_a_reader_a_writer_and_an_appender(tmp_path):
     path = str(tmp_path / "model.pt")
     with open(path, "wb") as f:
         f.write(b"z")
     with Holder(path, "rb") as r, Holder(path, "wb") as w, Holder(path, "ab") as a:
         for h, mode in ((r, "r"), (w, "w"), (a, "a")):
-            assert [m for _, m in procscan._proc_fd_opens(h.pid, os.path.realpath(path))] \
+            assert [m for _, _, m in procscan._proc_fd_opens(h.pid, os.path.realpath(path))] \
                    == [mode]
 
 
