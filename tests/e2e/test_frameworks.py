@@ -447,29 +447,44 @@ def test_accelerate_save_on_each_node_safetensors_weights_are_a_job_collision(no
                                  framework_file(accelerate))
 
 
-def test_lightning_checkpoint_io_under_a_local_rank_guard_is_a_job_collision(node_agents):
-    """trainer.strategy.checkpoint_io.save_checkpoint under `local_rank == 0`, 2 nodes: torch
-    saves into a BytesIO, fsspec writes a temporary file and moves it onto final.ckpt -- the
-    move is the write of final.ckpt, on each node, one job collision."""
-    lightning = pytest.importorskip("lightning")
+@pytest.fixture(scope="module")
+def lightning_io_run(node_agents):
+    """One two-node Lightning job shared by the two guard tests: it saves under the
+    `local_rank == 0` guard to local.ckpt, then under `global_rank == 0` to global.ckpt
+    (tests/frameworks/lightning_io_job.py). (job id, output dir). Each test asserts on its own
+    path; that the bug's collision does not spill onto the correct save's path is part of
+    what the global test checks."""
+    pytest.importorskip("lightning")
     from twonodes import run_two_nodes
-    job, out = run_two_nodes(node_agents, "pl-io",
-                             [os.path.join(SCRIPTS, "lightning_io_job.py"), "--guard", "local"])
-    assert_job_collision_on_both(node_agents, job, os.path.join(out, "final.ckpt"), "fsspec",
+    yield run_two_nodes(node_agents, "pl-io",
+                        [os.path.join(SCRIPTS, "lightning_io_job.py"), "--guard", "local",
+                         "--guard", "global"])
+
+
+def test_lightning_checkpoint_io_under_a_local_rank_guard_is_a_job_collision(node_agents,
+                                                                              lightning_io_run):
+    """trainer.strategy.checkpoint_io.save_checkpoint under `local_rank == 0`, 2 nodes: torch
+    saves into a BytesIO, fsspec writes a temporary file and moves it onto local.ckpt -- the
+    move is the write of local.ckpt, on each node, one job collision."""
+    lightning = pytest.importorskip("lightning")
+    job, out = lightning_io_run
+    assert_job_collision_on_both(node_agents, job, os.path.join(out, "local.ckpt"), "fsspec",
                                  framework_file(lightning))
 
 
-def test_lightning_checkpoint_io_under_a_global_rank_guard_is_nothing(node_agents):
-    pytest.importorskip("lightning")
-    from twonodes import run_two_nodes
-    job, out = run_two_nodes(node_agents, "pl-io-ok",
-                             [os.path.join(SCRIPTS, "lightning_io_job.py"), "--guard", "global"])
-    path = os.path.join(out, "final.ckpt")
+def test_lightning_checkpoint_io_under_a_global_rank_guard_is_nothing(node_agents,
+                                                                      lightning_io_run):
+    job, out = lightning_io_run
+    path = os.path.join(out, "global.ckpt")
     agent = node_agents["node-a"]
     wait_for(lambda: len([w for w in records_of(agent, job, "write") if w["path"] == path]) == 3,
-             timeout=30, message="rank 0's three writes of final.ckpt")
+             timeout=30, message="rank 0's three writes of global.ckpt")
     for agent in node_agents.values():
         agent.wait_judged()
-        assert records_of(agent, job, "collision") == []
-    writes = [w for w in records_of(node_agents["node-a"], job, "write") if w["path"] == path]
-    assert {(w["rank"], w["writer"]) for w in writes} == {(0, "fsspec")}
+        # The job's only collisions are the local guard's, on its own path.
+        assert {c["path"] for c in records_of(agent, job, "collision")} <= {
+            os.path.join(out, "local.ckpt")}
+        assert not [h for h in records_of(agent, job, "hazard") if h["path"] == path]
+    writes = [w for agent in node_agents.values() for w in records_of(agent, job, "write")
+              if w["path"] == path]
+    assert {(w["rank"], w["writer"], w["node"]) for w in writes} == {(0, "fsspec", "node-a")}

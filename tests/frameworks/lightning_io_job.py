@@ -2,8 +2,12 @@
 node under torch.distributed.run (Trainer(devices=1, num_nodes=2), CPU, gloo).
 
     --guard local    `if trainer.local_rank == 0: checkpoint_io.save_checkpoint(...)` -- one
-                     writer per node, so on shared storage the nodes collide (the bug)
-    --guard global   `if trainer.global_rank == 0:` -- correct
+                     writer per node, so on shared storage the nodes collide (the bug);
+                     writes local.ckpt
+    --guard global   `if trainer.global_rank == 0:` -- correct; writes global.ckpt
+
+Both guards may be given: one job then saves each guard's file in turn (the tests share one
+two-node job between the bug and the fix; each asserts on its own path).
 """
 import argparse
 import os
@@ -29,7 +33,7 @@ class TinyModule(L.LightningModule):
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
-    parser.add_argument("--guard", choices=("local", "global"), required=True)
+    parser.add_argument("--guard", choices=("local", "global"), action="append", required=True)
     args = parser.parse_args()
     warnings.simplefilter("ignore")
     data = torch.utils.data.TensorDataset(torch.randn(8, 256), torch.randn(8, 256))
@@ -42,13 +46,14 @@ def main() -> None:
     # Several MB, saved a few times: the two nodes' writes overlap even on a loaded machine.
     checkpoint = {"state_dict": module.state_dict(),
                   "extra": [torch.randn(512, 512) for _ in range(8)]}
-    path = os.path.join(args.out, "final.ckpt")
-    trainer.strategy.barrier()
-    rank = trainer.local_rank if args.guard == "local" else trainer.global_rank
-    if rank == 0:
-        for _ in range(3):
-            trainer.strategy.checkpoint_io.save_checkpoint(checkpoint, path)   # SAVE
-    trainer.strategy.barrier()
+    for guard in args.guard:
+        path = os.path.join(args.out, f"{guard}.ckpt")
+        trainer.strategy.barrier()
+        rank = trainer.local_rank if guard == "local" else trainer.global_rank
+        if rank == 0:
+            for _ in range(3):
+                trainer.strategy.checkpoint_io.save_checkpoint(checkpoint, path)   # SAVE
+        trainer.strategy.barrier()
 
 
 if __name__ == "__main__":
