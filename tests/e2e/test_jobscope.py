@@ -4,7 +4,9 @@ Each "node" is a `torchrun --nnodes 2 --node-rank N --nproc-per-node 2` (loopbac
 rendezvous) under `ckptwatch run --socket <its agent>` with its own CKPTWATCH_NODE; all four
 ranks save into one directory marked shared through CKPTWATCH_SHARED_PATHS. Neither agent
 hears the other node's hooks: whatever it says about the other node came through the job's
-store (ckptwatch/jobscope.py). Last, the store itself under 10,000 saves of JobScopes in this
+store (ckptwatch/jobscope.py). One job serves the four saving-mode tests, each mode on its own
+paths (the shared_job fixture); the scenarios that need a job configuration of their own have
+their own job. Last, the store itself under 10,000 saves of JobScopes in this
 process.
 """
 from __future__ import annotations
@@ -19,6 +21,7 @@ from helpers import REPO_ROOT, free_port, wait_for
 from jobstore import Rank
 from twonodes import run_two_nodes as run_program_on_two_nodes
 from twonodes import two_agents
+from modesjob import mode_dir
 
 torch = pytest.importorskip("torch")
 
@@ -54,15 +57,46 @@ def ranks_of(collision: dict) -> list:
     return sorted(w["rank"] for w in collision["writers"])
 
 
-def test_local_rank0_guard_is_a_job_collision_on_both_agents_and_a_hazard(agents):
-    job, out = run_two_nodes(agents, "local-rank0", extra_args=("--width", "2048"))
-    path = os.path.join(out, "last.pt")
+# One job for the four saving modes whose scenarios need not be alone in a job (issue 22: a
+# two-node job costs ~20-25 s CPU, most of it fixed). Each rank saves once per mode, each mode
+# into its own subdirectory (tests/support/modesjob.py), the local-rank0 guard first (its
+# hazard is named from the job's first save, as before); each test asserts on its own path
+# what it asserted on its own job, and test_one_job_many_paths_no_cross_talk that the paths
+# of one job do not leak into each other.
+MODES = ("local-rank0", "every-rank", "rank0", "per-rank")
+
+
+@pytest.fixture(scope="module")
+def shared_job(agents):
+    """(job id, {mode: that mode's checkpoint directory}) once both agents journaled every
+    write of the job: node-a 1 + 2 + 1 + 2, node-b 1 + 2 + 0 + 2 (global rank 0 is node-a's)."""
+    modesjob = os.path.join(REPO_ROOT, "tests", "support", "modesjob.py")
+    job, out = run_two_nodes(agents, "shared", program=[modesjob, "--modes", ",".join(MODES)],
+                             extra_args=("--width", "2048"))
+    dirs = {mode: mode_dir(out, mode) for mode in MODES}
+    for node, agent in agents.items():
+        expected = 6 if node == "node-a" else 5
+        wait_for(lambda: len(records(agent, job, "write")) == expected, timeout=60,
+                 message=f"{expected} writes on {node}\n{agent.log}")
+    return job, dirs
+
+
+def under(records_: list[dict], directory: str) -> list[dict]:
+    return [r for r in records_ if os.path.dirname(r["path"]) == directory]
+
+
+def test_local_rank0_guard_is_a_job_collision_on_both_agents_and_a_hazard(agents, shared_job):
+    job, dirs = shared_job
+    path = os.path.join(dirs["local-rank0"], "last.pt")
     found = {}
     for node, agent in agents.items():
-        found[node] = wait_for(lambda: job_collisions(agent, job), timeout=60,
+        found[node] = wait_for(lambda: [c for c in job_collisions(agent, job)
+                                        if c["path"] == path], timeout=60,
                                message=f"a job-scope collision on {node}'s agent\n{agent.log}")
+        agent.wait_judged()
+        # Exactly one collision on the path: not one per node's view of it.
+        assert len([c for c in records(agent, job, "collision") if c["path"] == path]) == 1
         c = found[node][0]
-        assert c["path"] == path
         assert ranks_of(c) == [0, 2]
         assert {(w["node"], w["rank"], w["local_rank"]) for w in c["writers"]} == {
             ("node-a", 0, 0), ("node-b", 2, 0)}
@@ -70,25 +104,28 @@ def test_local_rank0_guard_is_a_job_collision_on_both_agents_and_a_hazard(agents
         # The other node's write is labelled as learnt through the store, and by whom.
         remote = [w for w in c["writers"] if w["node"] != node]
         assert [w["source"] for w in remote] == ["job"] and remote[0]["reported_by"] > 0
+        # Per job (the shared job has two job-scope collisions: this path's and every-rank's;
+        # test_one_job_many_paths_no_cross_talk checks which paths they are on).
         assert agent.metric("ckptwatch_collisions_total", training_job=job,
-                            scope="job") == 1
+                            scope="job") == 2
         assert agent.metric("ckptwatch_job_scope_reports_total", training_job=job,
                             state="active") == 2
     # The same collision, the same id on both agents (so a merged report counts it once).
     assert found["node-a"][0]["id"] == found["node-b"][0]["id"]
     assert found["node-a"][0]["kind"] == found["node-b"][0]["kind"]
-    # The local_rank == 0 bug is named from the first (and only) save, by node-b's rank 2.
+    # The local_rank == 0 bug is named from the first save of the job, by node-b's rank 2.
     guard = wait_for(lambda: [h for h in records(agents["node-b"], job, "hazard")
                               if h["hazard"] == "local_rank_guard"], timeout=30,
                      message="local_rank_guard hazard")
-    assert guard[0]["path"] == path and guard[0]["writers"][0]["rank"] == 2
+    assert [(h["path"], h["writers"][0]["rank"]) for h in guard] == [(path, 2)]
     assert agents["node-b"].metric("ckptwatch_hazards_total", training_job=job,
                                    kind="local_rank_guard") == 1
     assert not agents["node-a"].metric("ckptwatch_hazards_total", training_job=job,
                                        kind="local_rank_guard")
     for agent in agents.values():
         multi = wait_for(lambda: [h for h in records(agent, job, "hazard")
-                                  if h["hazard"] == "shared_storage_multi_writer"],
+                                  if h["hazard"] == "shared_storage_multi_writer"
+                                  and h["path"] == path],
                          timeout=30, message="shared_storage_multi_writer hazard")
         assert multi[0]["ranks"] == [0, 2]
 
@@ -100,20 +137,23 @@ def test_local_rank0_guard_is_a_job_collision_on_both_agents_and_a_hazard(agents
     assert report.returncode == 1, report.stderr      # collisions and hazards shown
     import json
     merged = json.loads(report.stdout)
-    mine = [c for c in merged["collisions"] if c["job"] == job]
+    mine = [c for c in merged["collisions"] if c["job"] == job and c["path"] == path]
     assert len(mine) == 1 and ranks_of(mine[0]) == [0, 2]
-    assert {h["hazard"] for h in merged["hazards"] if h["job"] == job} == {
+    assert {h["hazard"] for h in merged["hazards"] if h["job"] == job and h["path"] == path} == {
         "local_rank_guard", "shared_storage_multi_writer"}
 
 
-def test_every_rank_saving_is_a_job_collision_naming_all_four_ranks_on_both_agents(agents):
-    job, out = run_two_nodes(agents, "every-rank", extra_args=("--width", "2048"))
+def test_every_rank_saving_is_a_job_collision_naming_all_four_ranks_on_both_agents(agents,
+                                                                                  shared_job):
+    job, dirs = shared_job
+    path = os.path.join(dirs["every-rank"], "last.pt")
     ids = set()
     for node, agent in agents.items():
-        found = wait_for(lambda: job_collisions(agent, job), timeout=60,
+        found = wait_for(lambda: [c for c in job_collisions(agent, job) if c["path"] == path],
+                         timeout=60,
                          message=f"a job-scope collision on {node}'s agent\n{agent.log}")
         agent.wait_judged()
-        everything = records(agent, job, "collision")
+        everything = [c for c in records(agent, job, "collision") if c["path"] == path]
         # Seen on the node and in the job: reported once, as the job-scope collision.
         assert len(everything) == 1, everything
         assert ranks_of(found[0]) == [0, 1, 2, 3]
@@ -122,29 +162,64 @@ def test_every_rank_saving_is_a_job_collision_naming_all_four_ranks_on_both_agen
     assert len(ids) == 1
 
 
-def test_global_rank0_guard_is_nothing_with_job_scope_active(agents):
-    job, _ = run_two_nodes(agents, "rank0")
+def test_global_rank0_guard_is_nothing_with_job_scope_active(agents, shared_job):
+    job, dirs = shared_job
     for agent in agents.values():
         wait_for(lambda: agent.metric("ckptwatch_job_scope_reports_total", training_job=job,
                                       state="active") == 2, timeout=30,
                  message="job scope active in both ranks")
-    wait_for(lambda: records(agents["node-a"], job, "write"), timeout=30, message="the write")
+    written = wait_for(lambda: under(records(agents["node-a"], job, "write"),
+                                     dirs["rank0"]), timeout=30, message="the write")
+    assert [(w["path"], w["rank"]) for w in written] == [
+        (os.path.join(dirs["rank0"], "last.pt"), 0)]
     for agent in agents.values():
         agent.wait_judged()
-        assert records(agent, job, "collision") == []
-        assert records(agent, job, "hazard") == []
+        assert under(records(agent, job, "collision"), dirs["rank0"]) == []
+        assert under(records(agent, job, "hazard"), dirs["rank0"]) == []
 
 
-def test_per_rank_file_names_are_nothing(agents):
-    job, _ = run_two_nodes(agents, "per-rank")
+def test_per_rank_file_names_are_nothing(agents, shared_job):
+    job, dirs = shared_job
     for agent in agents.values():
-        wait_for(lambda: len(records(agent, job, "write")) == 2, timeout=30,
-                 message="two writes per node")
+        wait_for(lambda: len(under(records(agent, job, "write"), dirs["per-rank"])) == 2,
+                 timeout=30, message="two writes per node")
         agent.wait_judged()
-        assert records(agent, job, "collision") == []
-        assert records(agent, job, "hazard") == []
+        assert under(records(agent, job, "collision"), dirs["per-rank"]) == []
+        assert under(records(agent, job, "hazard"), dirs["per-rank"]) == []
         assert agent.metric("ckptwatch_job_scope_reports_total", training_job=job,
                             state="active") == 2
+    assert {w["path"] for a in agents.values()
+            for w in under(records(a, job, "write"), dirs["per-rank"])} == {
+        os.path.join(dirs["per-rank"], f"last-rank{r}.pt") for r in range(4)}
+
+
+def test_one_job_many_paths_no_cross_talk(agents, shared_job):
+    """What the shared job adds: one job's paths do not leak into each other. Each agent has
+    exactly the two job-scope collisions (local-rank0's and every-rank's paths) and the hazards
+    of those paths only: local_rank_guard on the local-rank0 path (node-b's agent only),
+    shared_storage_multi_writer on both colliding paths with their own ranks."""
+    job, dirs = shared_job
+    guarded = os.path.join(dirs["local-rank0"], "last.pt")
+    every = os.path.join(dirs["every-rank"], "last.pt")
+    for node, agent in agents.items():
+        wait_for(lambda: len(job_collisions(agent, job)) == 2, timeout=60,
+                 message=f"two job-scope collisions on {node}\n{agent.log}")
+        agent.wait_judged()
+        assert {(c["path"], c["scope"], tuple(ranks_of(c)))
+                for c in records(agent, job, "collision")} == {
+            (guarded, "job", (0, 2)), (every, "job", (0, 1, 2, 3))}
+        assert len(records(agent, job, "collision")) == 2
+        hazards = wait_for(lambda: [h for h in records(agent, job, "hazard")
+                                    if h["hazard"] == "shared_storage_multi_writer"
+                                    and h["path"] == every], timeout=30,
+                           message=f"every-rank's shared_storage_multi_writer on {node}")
+        assert hazards[0]["ranks"] == [0, 1, 2, 3]
+        expected = {(guarded, "shared_storage_multi_writer"),
+                    (every, "shared_storage_multi_writer")}
+        if node == "node-b":
+            expected.add((guarded, "local_rank_guard"))
+        assert {(h["path"], h["hazard"]) for h in records(agent, job, "hazard")} == expected
+        assert agent.metric("ckptwatch_collisions_total", training_job=job) == 2
 
 
 def test_store_unreachable_training_runs_node_scope_works_job_scope_disabled(agents):

@@ -1,7 +1,8 @@
 """End to end: a real agent process and real torchrun jobs (gloo, CPU) under `ckptwatch run`.
 
 One agent serves every job of this module; each job gets its own CKPTWATCH_JOB so the metric
-and journal assertions of one job are not disturbed by another.
+and journal assertions of one job are not disturbed by another. One job serves the three
+single-node saving-mode tests, each mode on its own paths (the shared_job fixture).
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import pytest
 
 from agentproc import start_agent
 from helpers import REPO_ROOT, overlapping, remove_tree, short_tmpdir, wait_for
+from modesjob import mode_dir
 
 torch = pytest.importorskip("torch")
 
@@ -33,21 +35,23 @@ def agent():
 
 
 def run_job(agent, mode: str, *, nproc: int = NPROC, extra_env=None, extra_args=(),
-            overlap: bool = False) -> tuple[str, str]:
+            overlap: bool = False, program=None) -> tuple[str, str]:
     """Run monitor.cli.demo_job under `ckptwatch run` (the real CLI); return (job id, out dir).
-    overlap: every writer's save overlaps every other's (each rank writes: nproc writers)."""
+    overlap: every writer's save overlaps every other's (each rank writes: nproc writers).
+    program: another training program taking demo_job's arguments but --save (`mode` then
+    only names the job)."""
     job = f"e2e-{mode}-{uuid.uuid4().hex[:8]}"
     out = os.path.join(short_tmpdir("cwo"), "ckpt")
     env = {k: v for k, v in os.environ.items() if not k.startswith("CKPTWATCH_")}
     env.update({"CKPTWATCH_JOB": job, "OMP_NUM_THREADS": "1"}, **(extra_env or {}))
-    program = ["-m", "monitor.cli.demo_job"]
+    save = ["--save", mode] if program is None else []
+    program = program or ["-m", "monitor.cli.demo_job"]
     if overlap:
         program, overlap_env = overlapping(nproc)
         env.update(overlap_env)
     cmd = [sys.executable, "-m", "monitor.cli", "run", "--socket", agent.socket, "--",
            sys.executable, "-m", "torch.distributed.run", "--standalone",
-           "--nproc-per-node", str(nproc), *program, "--out", out,
-           "--save", mode, *extra_args]
+           "--nproc-per-node", str(nproc), *program, "--out", out, *save, *extra_args]
     result = subprocess.run(cmd, env=env, cwd=REPO_ROOT, capture_output=True, text=True,
                             timeout=240)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
@@ -63,13 +67,42 @@ def collisions_of(agent, job: str) -> list[dict]:
             if r.get("type") == "collision" and r.get("job") == job]
 
 
-def test_every_rank_saving_one_path_is_one_concurrent_collision_naming_all_ranks(agent):
+# One job for the three single-node saving modes (issue 22: a 4-rank job costs ~17-20 s CPU,
+# most of it fixed): each rank saves once per mode, each mode into its own subdirectory
+# (tests/support/modesjob.py), every-rank first (its collision comes from the job's first
+# save, as before). Each test asserts on its own paths what it asserted on its own job;
+# test_one_job_many_paths_no_cross_talk that the paths of one job do not leak into each other.
+MODES = ("every-rank", "rank0", "per-rank")
+
+
+@pytest.fixture(scope="module")
+def shared_job(agent):
+    """(job id, {mode: that mode's checkpoint directory}) once every write of the job is
+    journaled: 4 (every-rank) + 1 (rank0) + 4 (per-rank)."""
+    modesjob = os.path.join(REPO_ROOT, "tests", "support", "modesjob.py")
+    job, out = run_job(agent, "shared", program=[modesjob, "--modes", ",".join(MODES)],
+                       extra_args=("--width", "2048"))
+    wait_for(lambda: len(writes_of(agent, job)) == 2 * NPROC + 1, timeout=30,
+             message=f"{2 * NPROC + 1} write records")
+    return job, {mode: mode_dir(out, mode) for mode in MODES}
+
+
+def under(records: list[dict], directory: str) -> list[dict]:
+    return [r for r in records if os.path.dirname(r["path"]) == directory]
+
+
+def test_every_rank_saving_one_path_is_one_concurrent_collision_naming_all_ranks(agent,
+                                                                                shared_job):
     # 32 MiB per save (width 2048): with 4 ranks on 2 CPUs, an 8 MiB save was once over
     # before the last rank's began (CI), and that rank was rightly not part of the overlap.
-    job, out = run_job(agent, "every-rank", extra_args=("--width", "2048"))
-    path = os.path.join(out, "last.pt")
-    wait_for(lambda: len(writes_of(agent, job)) == NPROC, timeout=30, message="4 write records")
+    job, dirs = shared_job
+    path = os.path.join(dirs["every-rank"], "last.pt")
+    wait_for(lambda: len(under(writes_of(agent, job), dirs["every-rank"])) == NPROC,
+             timeout=30, message="4 write records")
     found = wait_for(lambda: collisions_of(agent, job), timeout=30, message="collision record")
+    agent.wait_judged()
+    # The job's only collision: on this path (the job's other paths are the correct modes).
+    found = collisions_of(agent, job)
     assert len(found) == 1, found
     c = found[0]
     assert c["path"] == path and c["kind"] == "concurrent" and c["scope"] == "node"
@@ -99,11 +132,17 @@ def test_every_rank_saving_one_path_is_one_concurrent_collision_naming_all_ranks
                           timeout=30, message="verification record")[0]
         assert record["result"] == "ok" and record["collision_id"] == c["id"]
 
-    # Prometheus: one concurrent collision for this job, four finished writes by four ranks.
+    # Prometheus: one concurrent collision for this job; per rank, one finished write on this
+    # path (the counter is per job: rank 0 also wrote the rank0 and per-rank paths, the
+    # others the per-rank path).
     assert agent.metric("ckptwatch_collisions_total", training_job=job, kind="concurrent",
                         scope="node") == 1
+    assert agent.metric("ckptwatch_collisions_total", training_job=job) == 1
     for rank in range(NPROC):
-        assert agent.metric("ckptwatch_writes_total", training_job=job, rank=str(rank)) == 1
+        assert agent.metric("ckptwatch_writes_total", training_job=job,
+                            rank=str(rank)) == (3 if rank == 0 else 2)
+    assert sorted(w["rank"] for w in under(writes_of(agent, job), dirs["every-rank"])) == [
+        0, 1, 2, 3]
     assert agent.metric("ckptwatch_last_collision_timestamp_seconds", training_job=job) > 0
 
     # The human report names every rank, the call site and the fix.
@@ -122,27 +161,50 @@ def test_every_rank_saving_one_path_is_one_concurrent_collision_naming_all_ranks
     assert path in as_json.stdout and json.loads(as_json.stdout)
 
 
-def test_global_rank0_guard_is_not_a_collision(agent):
-    job, out = run_job(agent, "rank0")
-    wait_for(lambda: len(writes_of(agent, job)) == 1, timeout=30, message="1 write record")
-    w = writes_of(agent, job)[0]
-    assert w["rank"] == 0 and w["path"] == os.path.join(out, "last.pt")
+def test_global_rank0_guard_is_not_a_collision(agent, shared_job):
+    job, dirs = shared_job
+    wait_for(lambda: len(under(writes_of(agent, job), dirs["rank0"])) == 1, timeout=30,
+             message="1 write record")
+    w = under(writes_of(agent, job), dirs["rank0"])[0]
+    assert w["rank"] == 0 and w["path"] == os.path.join(dirs["rank0"], "last.pt")
     assert w["outcome"] == "ok" and w["bytes"] == os.path.getsize(w["path"])
     # Wait until the agent has judged the job: it would have (wrongly) reported by now.
     agent.wait_judged()
-    assert collisions_of(agent, job) == []
-    assert not agent.metric("ckptwatch_collisions_total", training_job=job, kind="concurrent",
-                            scope="node")
+    assert under(collisions_of(agent, job), dirs["rank0"]) == []
+    # Per job: the one concurrent collision is every-rank's (not this path's).
+    assert [c["path"] for c in collisions_of(agent, job)] == [
+        os.path.join(dirs["every-rank"], "last.pt")]
+    assert agent.metric("ckptwatch_collisions_total", training_job=job, kind="concurrent",
+                        scope="node") == 1
     torch.load(w["path"], weights_only=False)  # and the file is sound
 
 
-def test_each_rank_its_own_path_is_not_a_collision(agent):
-    job, out = run_job(agent, "per-rank")
-    wait_for(lambda: len(writes_of(agent, job)) == NPROC, timeout=30, message="4 write records")
-    paths = {w["path"] for w in writes_of(agent, job)}
-    assert paths == {os.path.join(out, f"last-rank{r}.pt") for r in range(NPROC)}
+def test_each_rank_its_own_path_is_not_a_collision(agent, shared_job):
+    job, dirs = shared_job
+    wait_for(lambda: len(under(writes_of(agent, job), dirs["per-rank"])) == NPROC, timeout=30,
+             message="4 write records")
+    paths = {w["path"] for w in under(writes_of(agent, job), dirs["per-rank"])}
+    assert paths == {os.path.join(dirs["per-rank"], f"last-rank{r}.pt") for r in range(NPROC)}
     agent.wait_judged()
-    assert collisions_of(agent, job) == []
+    assert under(collisions_of(agent, job), dirs["per-rank"]) == []
+
+
+def test_one_job_many_paths_no_cross_talk(agent, shared_job):
+    """What the shared job adds: one job's paths do not leak into each other. Each path's
+    write records name exactly its own writers (every-rank: ranks 0-3; rank0: rank 0; per-rank:
+    rank r on last-rank{r}.pt), and the job's only collision is every-rank's."""
+    job, dirs = shared_job
+    agent.wait_judged()
+    by_dir = {mode: sorted((os.path.basename(w["path"]), w["rank"])
+                           for w in under(writes_of(agent, job), d))
+              for mode, d in dirs.items()}
+    assert by_dir == {"every-rank": [("last.pt", r) for r in range(NPROC)],
+                      "rank0": [("last.pt", 0)],
+                      "per-rank": [(f"last-rank{r}.pt", r) for r in range(NPROC)]}
+    assert len(writes_of(agent, job)) == 2 * NPROC + 1
+    assert [(c["path"], sorted(w["rank"] for w in c["writers"]))
+            for c in collisions_of(agent, job)] == [
+        (os.path.join(dirs["every-rank"], "last.pt"), [0, 1, 2, 3])]
 
 
 def test_two_nodes_with_local_rank0_guard_collide_on_shared_storage(agent):
