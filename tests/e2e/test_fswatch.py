@@ -107,10 +107,15 @@ def agents_watching_one_root(setups):
                     start_agent(workdir, *_agent_args(root, mode, attribution)))
             yield agents, root
             # The sharing's own premise, checked after the tests: no agent took another's
-            # verifier for a reader under a write (a real node has one agent).
+            # verifier for a reader under a write, nor for a writer (a real node has one
+            # agent; the job's writers all have a rank, an agent has none).
             torn = [(setup, r) for setup, agent in agents.items()
                     for r in agent.journal_records() if r.get("type") == "torn_read"]
             assert not torn, torn
+            rankless = [(setup, r) for setup, agent in agents.items()
+                        for r in agent.journal_records()
+                        if r.get("type") == "write" and r.get("rank") is None]
+            assert not rankless, rankless
     finally:
         for workdir in workdirs:
             remove_tree(workdir)

@@ -171,11 +171,14 @@ def test_global_rank0_guard_is_not_a_collision(agent, shared_job):
     # Wait until the agent has judged the job: it would have (wrongly) reported by now.
     agent.wait_judged()
     assert under(collisions_of(agent, job), dirs["rank0"]) == []
-    # Per job: the one concurrent collision is every-rank's (not this path's).
-    assert [c["path"] for c in collisions_of(agent, job)] == [
-        os.path.join(dirs["every-rank"], "last.pt")]
-    assert agent.metric("ckptwatch_collisions_total", training_job=job, kind="concurrent",
-                        scope="node") == 1
+    # Per job: the job's collisions are every-rank's only (not this path's; how many the
+    # every-rank race makes is its own test's to say), and the metric counts what is journaled.
+    assert {c["path"] for c in collisions_of(agent, job)} <= {
+        os.path.join(dirs["every-rank"], "last.pt")}
+    wait_for(lambda: agent.metric("ckptwatch_collisions_total", training_job=job,
+                                  kind="concurrent", scope="node") == len(
+        [c for c in collisions_of(agent, job) if (c["kind"], c["scope"]) ==
+         ("concurrent", "node")]), timeout=30, message="the metric counting the journal's")
     torch.load(w["path"], weights_only=False)  # and the file is sound
 
 
