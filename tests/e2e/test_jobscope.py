@@ -21,7 +21,7 @@ from helpers import REPO_ROOT, free_port, wait_for
 from jobstore import Rank
 from twonodes import run_two_nodes as run_program_on_two_nodes
 from twonodes import two_agents
-from modesjob import mode_dir
+from modesjob import mode_dir, program, under
 
 torch = pytest.importorskip("torch")
 
@@ -70,8 +70,7 @@ MODES = ("local-rank0", "every-rank", "rank0", "per-rank")
 def shared_job(agents):
     """(job id, {mode: that mode's checkpoint directory}) once both agents journaled every
     write of the job: node-a 1 + 2 + 1 + 2, node-b 1 + 2 + 0 + 2 (global rank 0 is node-a's)."""
-    modesjob = os.path.join(REPO_ROOT, "tests", "support", "modesjob.py")
-    job, out = run_two_nodes(agents, "shared", program=[modesjob, "--modes", ",".join(MODES)],
+    job, out = run_two_nodes(agents, "shared", program=program(MODES),
                              extra_args=("--width", "2048"))
     dirs = {mode: mode_dir(out, mode) for mode in MODES}
     for node, agent in agents.items():
@@ -80,9 +79,6 @@ def shared_job(agents):
                  message=f"{expected} writes on {node}\n{agent.log}")
     return job, dirs
 
-
-def under(records_: list[dict], directory: str) -> list[dict]:
-    return [r for r in records_ if os.path.dirname(r["path"]) == directory]
 
 
 def test_local_rank0_guard_is_a_job_collision_on_both_agents_and_a_hazard(agents, shared_job):

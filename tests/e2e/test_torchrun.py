@@ -16,7 +16,7 @@ import pytest
 
 from agentproc import start_agent
 from helpers import REPO_ROOT, overlapping, remove_tree, short_tmpdir, wait_for
-from modesjob import mode_dir
+from modesjob import mode_dir, program, under
 
 torch = pytest.importorskip("torch")
 
@@ -79,16 +79,12 @@ MODES = ("every-rank", "rank0", "per-rank")
 def shared_job(agent):
     """(job id, {mode: that mode's checkpoint directory}) once every write of the job is
     journaled: 4 (every-rank) + 1 (rank0) + 4 (per-rank)."""
-    modesjob = os.path.join(REPO_ROOT, "tests", "support", "modesjob.py")
-    job, out = run_job(agent, "shared", program=[modesjob, "--modes", ",".join(MODES)],
+    job, out = run_job(agent, "shared", program=program(MODES),
                        extra_args=("--width", "2048"))
     wait_for(lambda: len(writes_of(agent, job)) == 2 * NPROC + 1, timeout=30,
              message=f"{2 * NPROC + 1} write records")
     return job, {mode: mode_dir(out, mode) for mode in MODES}
 
-
-def under(records: list[dict], directory: str) -> list[dict]:
-    return [r for r in records if os.path.dirname(r["path"]) == directory]
 
 
 def test_every_rank_saving_one_path_is_one_concurrent_collision_naming_all_ranks(agent,

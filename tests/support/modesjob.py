@@ -10,6 +10,9 @@ Every save is demo_job.save_checkpoint's torch.save (the call site the tests ass
 args.save set to the mode and args.out to the mode's subdirectory. The subdirectory names
 carry no digit and no node name (ckptwatch.sharedfs.names_rank_or_node looks at the last two
 path components): a path's hazards are judged exactly as under demo_job's own --out.
+
+The tests import program(), mode_dir() and under() from here, before they skip without torch:
+torch is imported by main() only.
 """
 from __future__ import annotations
 
@@ -17,12 +20,15 @@ import argparse
 import os
 import sys
 
-import torch.distributed as dist
-
-from monitor.cli import demo_job
-
 SUBDIRS = {"local-rank0": "localguard", "every-rank": "everyrank", "rank0": "globalguard",
            "per-rank": "perrank"}
+
+
+def program(modes) -> list[str]:
+    """The training program's arguments (before --out and demo_job's): this script, saving
+    in each of `modes`, in that order."""
+    assert modes and all(m in SUBDIRS for m in modes), modes
+    return [os.path.abspath(__file__), "--modes", ",".join(modes)]
 
 
 def mode_dir(out: str, mode: str) -> str:
@@ -30,7 +36,16 @@ def mode_dir(out: str, mode: str) -> str:
     return os.path.join(out, SUBDIRS[mode])
 
 
+def under(records: list[dict], directory: str) -> list[dict]:
+    """The journal records among `records` whose path lies directly in `directory` (one
+    mode's)."""
+    return [r for r in records if os.path.dirname(r["path"]) == directory]
+
+
 def main(argv=None) -> int:
+    import torch.distributed as dist
+
+    from monitor.cli import demo_job
     p = argparse.ArgumentParser(allow_abbrev=False)
     p.add_argument("--modes", required=True, help="comma-separated demo_job --save modes")
     ours, rest = p.parse_known_args(argv)
